@@ -1,0 +1,34 @@
+# Two entry points do all the set-up on a fresh machine:
+#   make serve   -- serve the default model on http://127.0.0.1:8000 (OpenAI API)
+#   make test    -- run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# Ray 2.60 binds to the machine's external address unless told otherwise; keep it on loopback.
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
+
+.PHONY: setup test test-fast serve generate lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints-cpu.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints-cpu.txt -e '.[test,bench,dev]'
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q -ra tests
+
+serve: setup
+	$(VENV)/bin/serve run serve_app:app
+
+generate: setup
+	$(PY) -m engine.llm --prompt "Hello, my name is" --max-tokens 32
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,34 @@
+"""pagedserve's inference engine: paged KV cache, continuous batching, Llama-family models.
+
+Plain Python and torch; nothing here imports Ray.
+"""
+
+from engine.config import EngineConfig
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+
+__all__ = [
+    "AsyncEngine",
+    "CompletionOutput",
+    "EngineConfig",
+    "LLM",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+]
+
+
+def __getattr__(name: str):  # lazy: keep `import engine` light for the serving layer
+    if name == "LLM":
+        from engine.llm import LLM
+
+        return LLM
+    if name == "LLMEngine":
+        from engine.llm_engine import LLMEngine
+
+        return LLMEngine
+    if name == "AsyncEngine":
+        from engine.async_engine import AsyncEngine
+
+        return AsyncEngine
+    raise AttributeError(name)

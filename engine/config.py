@@ -1,0 +1,122 @@
+"""Engine configuration: typed, validated once, loadable from YAML.
+
+Every field carries a description; a bad value raises ``ValueError`` naming the field and the
+accepted range (pydantic's ``ValidationError`` is a ``ValueError``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Strict):
+    model: str | None = Field(
+        None,
+        description="Path to a Hugging Face checkpoint folder (config.json, *.safetensors, "
+        "tokenizer). None builds and uses the small random-weight default model.",
+    )
+    dtype: DType = Field(
+        "auto",
+        description="Weight and activation dtype. 'auto' takes torch_dtype from config.json, "
+        "except that half precision on the CPU becomes bfloat16.",
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="Longest sequence (prompt + output) in tokens; None takes the "
+        "model's max_position_embeddings."
+    )
+    seed: int = Field(0, description="Seed for the default model and for unseeded sampling.")
+
+
+class CacheConfig(_Strict):
+    block_size: int = Field(16, description="Tokens per KV-cache block (a power of two, 8..128).")
+    enable_prefix_caching: bool = Field(
+        True, description="Reuse KV blocks of identical prompt prefixes across requests."
+    )
+    kv_cache_memory_bytes: int | None = Field(
+        None, ge=1, description="KV-cache size in bytes. Required sizing on the CPU (default "
+        "1 GiB there); on CUDA it overrides gpu_memory_utilization."
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0.0, le=1.0, description="Fraction of GPU memory the engine may use in all "
+        "(weights, activations, KV cache) when kv_cache_memory_bytes is not set."
+    )
+
+    @model_validator(mode="after")
+    def _check_block_size(self) -> CacheConfig:
+        bs = self.block_size
+        if bs < 8 or bs > 128 or bs & (bs - 1):
+            raise ValueError(f"block_size must be a power of two in [8, 128], got {bs}")
+        return self
+
+
+class SchedulerConfig(_Strict):
+    max_num_seqs: int = Field(256, ge=1, description="Most requests running in one step.")
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, description="Token budget of one step (prefill chunks plus decode tokens)."
+    )
+
+
+class ParallelConfig(_Strict):
+    tensor_parallel_size: int = Field(1, ge=1, description="Ranks one model is sharded across.")
+
+
+class DeviceConfig(_Strict):
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the model runs; 'auto' picks CUDA when available."
+    )
+    num_threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads on the CPU; None uses every core."
+    )
+
+
+class EngineConfig(_Strict):
+    """All settings of one engine instance."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig, description="What to load.")
+    cache: CacheConfig = Field(default_factory=CacheConfig, description="KV-cache settings.")
+    scheduler: SchedulerConfig = Field(
+        default_factory=SchedulerConfig, description="Batching limits."
+    )
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="Sharding.")
+    device: DeviceConfig = Field(default_factory=DeviceConfig, description="Placement.")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from flat keyword arguments (``LLM(model=..., block_size=...)``)."""
+        sections: dict[str, dict[str, Any]] = {name: {} for name in cls.model_fields}
+        for key, value in kwargs.items():
+            for name, field in cls.model_fields.items():
+                if key in field.annotation.model_fields:  # type: ignore[union-attr]
+                    sections[name][key] = value
+                    break
+            else:
+                raise ValueError(f"unknown engine argument {key!r}; known: {sorted(_FLAT)}")
+        return cls(**sections)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> EngineConfig:
+        """Load a YAML file, nested (``cache: {block_size: 16}``) or flat."""
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if set(data) <= set(cls.model_fields):
+            return cls(**data)
+        return cls.from_kwargs(**data)
+
+    def flat(self) -> dict[str, Any]:
+        """The flat keyword form accepted by ``from_kwargs``."""
+        out: dict[str, Any] = {}
+        for name in type(self).model_fields:
+            out.update(getattr(self, name).model_dump())
+        return out
+
+
+_FLAT = {k for f in EngineConfig.model_fields.values() for k in f.annotation.model_fields}  # type: ignore[union-attr]
