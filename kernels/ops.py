@@ -1,0 +1,136 @@
+"""The kernel entry points the engine's layers call, with a backend switch.
+
+Backends: "auto" (default) runs the Triton kernels on CUDA tensors and the pure-torch references
+on CPU tensors; "triton" forces the Triton kernels (on the CPU only under ``TRITON_INTERPRET=1``);
+"reference" forces the references. Importing this module does not require Triton.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from kernels import activation as _act
+from kernels import kv_cache as _kv
+from kernels import paged_attention as _attn
+from kernels import rms_norm as _norm
+from kernels import rotary as _rope
+from kernels._triton import HAS_TRITON
+
+BACKENDS = ("auto", "triton", "reference")
+_backend = "auto"
+
+
+def set_backend(name: str) -> None:
+    """Select the kernel backend: one of "auto", "triton", "reference"."""
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    _backend = name
+
+
+def get_backend() -> str:
+    return _backend
+
+
+@contextmanager
+def backend(name: str) -> Iterator[None]:
+    """Use backend `name` inside the block, then restore the previous one."""
+    previous = _backend
+    set_backend(name)
+    try:
+        yield
+    finally:
+        set_backend(previous)
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    if _backend == "triton":
+        return True
+    return _backend == "auto" and t.is_cuda and HAS_TRITON
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, H], weight [H] -> [T, H] in x's dtype."""
+    if _use_triton(x):
+        return _norm.rms_norm_triton(x, weight, eps)
+    return _norm.rms_norm_ref(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual <- x + residual (in place); returns (rms_norm(residual) * weight, residual)."""
+    if _use_triton(x):
+        return _norm.fused_add_rms_norm_triton(x, residual, weight, eps)
+    return _norm.fused_add_rms_norm_ref(x, residual, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2*I] -> silu(x[:, :I]) * x[:, I:], [T, I]."""
+    if _use_triton(x):
+        return _act.silu_and_mul_triton(x)
+    return _act.silu_and_mul_ref(x)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+) -> None:
+    """Rotate query [T, Hq*D] and key [T, Hk*D] in place by cos_sin_cache[positions]."""
+    if _use_triton(query):
+        _rope.rotary_embedding_triton(positions, query, key, cos_sin_cache, head_size)
+    else:
+        _rope.rotary_embedding_ref(positions, query, key, cos_sin_cache, head_size)
+
+
+def store_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write key/value [T, Hk, D] into the paged caches at slot_mapping [T]; slot -1 is skipped."""
+    if _use_triton(key):
+        _kv.store_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        _kv.store_kv_cache_ref(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+) -> torch.Tensor:
+    """Causal GQA attention of query [T, Hq, D] over the paged cache -> [T, Hq, D]."""
+    fn = _attn.paged_attention_triton if _use_triton(query) else _attn.paged_attention_ref
+    return fn(
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        scale, max_query_len, max_seq_len,
+    )
+
+
+__all__ = [
+    "BACKENDS",
+    "backend",
+    "fused_add_rms_norm",
+    "get_backend",
+    "paged_attention",
+    "rms_norm",
+    "rotary_embedding",
+    "set_backend",
+    "silu_and_mul",
+    "store_kv_cache",
+]
