@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import tl, triton  # noqa: F401  (kernel added next)
+from kernels._triton import next_power_of_2, tl, triton
 
 
 def store_kv_cache_ref(
@@ -24,3 +24,75 @@ def store_kv_cache_ref(
     blocks, offsets = slots // block_size, slots % block_size
     k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
     v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr,  # [T, Hk, D] strides (stride_kt, stride_kh, 1)
+    value_ptr,  # [T, Hk, D] strides (stride_vt, stride_vh, 1)
+    k_cache_ptr,  # [num_blocks, block_size, Hk, D] strides (stride_cb, stride_co, stride_ch, 1)
+    v_cache_ptr,  # [num_blocks, block_size, Hk, D] same strides as k_cache
+    slot_mapping_ptr,  # [T] int64, -1 = padding token (skipped)
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_co, stride_ch,
+    num_kv_heads,
+    head_size,
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    BLOCK_H: tl.constexpr,  # next power of two >= Hk
+    BLOCK_D: tl.constexpr,  # next power of two >= D
+):
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    mask = (heads < num_kv_heads) & (dims < head_size) & (slot >= 0)
+    # int64 throughout: block * stride_cb exceeds 2**31 on large caches.
+    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co + heads * stride_ch + dims
+    k = tl.load(key_ptr + tok * stride_kt + heads * stride_kh + dims, mask=mask)
+    v = tl.load(value_ptr + tok * stride_vt + heads * stride_vh + dims, mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_store_args(key, value, k_cache, v_cache, slot_mapping) -> None:
+    if key.dim() != 3 or value.shape != key.shape:
+        raise ValueError(f"key/value must be [T, Hk, D] alike, got {tuple(key.shape)} {tuple(value.shape)}")
+    tokens, num_kv_heads, head_size = key.shape
+    if k_cache.dim() != 4 or tuple(k_cache.shape[2:]) != (num_kv_heads, head_size):
+        raise ValueError(f"k_cache must be [num_blocks, block_size, {num_kv_heads}, {head_size}], got {tuple(k_cache.shape)}")
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        raise ValueError("v_cache must have k_cache's shape and strides")
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"v_cache dtype {v_cache.dtype} must equal k_cache dtype {k_cache.dtype}")
+    block_size = k_cache.shape[1]
+    if block_size <= 0 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if slot_mapping.shape != (tokens,) or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_mapping must be [{tokens}] int32/int64, got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
+    if len({t.device for t in (key, value, k_cache, v_cache, slot_mapping)}) != 1:
+        raise ValueError("key, value, caches and slot_mapping must be on one device")
+
+
+def store_kv_cache_triton(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Triton KV store: key/value [T, Hk, D] -> caches at slot_mapping [T]; -1 is skipped."""
+    _check_store_args(key, value, k_cache, v_cache, slot_mapping)
+    tokens, num_kv_heads, head_size = key.shape
+    if tokens == 0:
+        return
+    _store_kv_kernel[(tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        num_kv_heads, head_size,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_H=next_power_of_2(num_kv_heads),
+        BLOCK_D=next_power_of_2(head_size), num_warps=4,
+    )

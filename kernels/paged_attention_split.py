@@ -1,0 +1,148 @@
+"""Split-KV (flash-decoding) paged attention for decode-only batches with long contexts.
+
+With few sequences the one-program-per-(sequence, kv head) grid leaves most of the GPU idle. The
+context is cut into partitions of `partition` keys; each (sequence, kv head, partition) program
+writes an unnormalised partial output with its running max and sum, and a reduce kernel merges
+the partitions of each (sequence, query head).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kernels._triton import next_power_of_2, tl, triton
+from kernels.attention_tile import attend_range
+
+DEFAULT_PARTITION = 512
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _split_kernel(
+    part_acc_ptr,  # [B, Hq, NUM_SPLITS, D_PAD] float32, contiguous: unnormalised partial outputs
+    part_ml_ptr,  # [B, Hq, NUM_SPLITS, 2] float32, contiguous: (max in log2 domain, sum of exp)
+    q_ptr,  # [T, Hq, D] strides (stride_qt, stride_qh, 1); T == B, one token per sequence
+    k_cache_ptr,  # [num_blocks, block_size, Hk, D] strides (stride_cb, stride_co, stride_ch, 1)
+    v_cache_ptr,  # [num_blocks, block_size, Hk, D] same strides as k_cache
+    block_tables_ptr,  # [B, max_blocks_per_seq] int32, row stride stride_bt
+    seq_lens_ptr,  # [B]
+    query_start_loc_ptr,  # [B+1]
+    qk_scale,  # softmax scale * log2(e)
+    num_q_heads,
+    head_size,
+    stride_qt, stride_qh, stride_cb, stride_co, stride_ch, stride_bt,
+    GROUP: tl.constexpr,  # Hq // Hk
+    BLOCK_M: tl.constexpr,  # next power of two >= max(GROUP, 16)
+    NUM_SPLITS: tl.constexpr,
+    PARTITION: tl.constexpr,  # keys per split, a multiple of TILE_N
+    TILE_N: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - token
+    rows = tl.arange(0, BLOCK_M)
+    head = kv_head * GROUP + rows
+    row_valid = (rows < GROUP) & (q_len > 0)
+    dims = tl.arange(0, D_PAD)
+    mask = row_valid[:, None] & (dims[None, :] < head_size)
+    q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=mask, other=0.0)
+    if FP32_DOT:
+        q = q.to(tl.float32)
+    kv_start = split * PARTITION
+    kv_end = tl.minimum(kv_start + PARTITION, seq_len)
+    acc, m_i, l_i = attend_range(
+        q, tl.zeros([BLOCK_M], tl.int32) + seq_len - 1, row_valid, k_cache_ptr, v_cache_ptr,
+        block_tables_ptr + seq * stride_bt, kv_head.to(tl.int64) * stride_ch,
+        kv_start, kv_end, qk_scale, stride_cb, stride_co, head_size,
+        BLOCK_M, TILE_N, D_PAD, BLOCK_SIZE, FP32_DOT,
+    )
+    part = (seq * num_q_heads + head) * NUM_SPLITS + split  # [BLOCK_M]
+    keep = rows < GROUP
+    tl.store(part_acc_ptr + part[:, None] * D_PAD + dims[None, :], acc, mask=keep[:, None])
+    tl.store(part_ml_ptr + part * 2, m_i, mask=keep)
+    tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=keep)
+
+
+@triton.jit
+def _reduce_kernel(
+    out_ptr,  # [T, Hq, D] strides (stride_ot, stride_oh, 1)
+    part_acc_ptr,  # [B, Hq, NUM_SPLITS, D_PAD] float32
+    part_ml_ptr,  # [B, Hq, NUM_SPLITS, 2] float32
+    query_start_loc_ptr,  # [B+1]
+    num_q_heads,
+    head_size,
+    stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # next power of two >= NUM_SPLITS
+    D_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    if tl.load(query_start_loc_ptr + seq + 1) == token:  # sequence without a query token
+        return
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, D_PAD)
+    part = (seq * num_q_heads + head) * NUM_SPLITS + splits
+    in_split = splits < NUM_SPLITS
+    maxes = tl.load(part_ml_ptr + part * 2, mask=in_split, other=float("-inf"))
+    sums = tl.load(part_ml_ptr + part * 2 + 1, mask=in_split, other=0.0)
+    top = tl.max(maxes, axis=0)
+    weight = tl.exp2(maxes - tl.where(top == float("-inf"), 0.0, top))  # empty splits -> 0
+    denom = tl.sum(weight * sums, axis=0)
+    acc = tl.load(part_acc_ptr + part[:, None] * D_PAD + dims[None, :], mask=in_split[:, None], other=0.0)
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < head_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # interpreter: behave like an H100/H200 so the heuristic is deterministic
+
+
+def split_pays(device: torch.device, num_seqs: int, num_kv_heads: int, max_seq_len: int) -> bool:
+    """Split when the plain grid would fill under half the SMs and the context spans partitions."""
+    return max_seq_len >= 2 * DEFAULT_PARTITION and num_seqs * num_kv_heads < _sm_count(device) // 2
+
+
+def launch_split(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                 max_seq_len: int, partition: int | None, common: dict) -> None:
+    """Run the split and reduce kernels; arguments were checked by paged_attention_triton."""
+    num_seqs, num_q_heads, head_size = query.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    tile = common["TILE_N"]
+    if partition is None:
+        partition = max(DEFAULT_PARTITION, next_power_of_2(-(-max_seq_len // MAX_SPLITS)))
+    if partition % tile != 0:
+        raise ValueError(f"partition_size must be a multiple of {tile}, got {partition}")
+    num_splits = max(-(-max_seq_len // partition), 1)
+    d_pad = common["D_PAD"]
+    part_acc = torch.empty((num_seqs, num_q_heads, num_splits, d_pad), dtype=torch.float32, device=query.device)
+    part_ml = torch.empty((num_seqs, num_q_heads, num_splits, 2), dtype=torch.float32, device=query.device)
+    _split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        part_acc, part_ml, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        common["qk_scale"], num_q_heads, head_size,
+        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group, BLOCK_M=max(16, next_power_of_2(group)), NUM_SPLITS=num_splits,
+        PARTITION=partition, TILE_N=tile, D_PAD=d_pad, BLOCK_SIZE=k_cache.shape[1],
+        FP32_DOT=common["FP32_DOT"], num_warps=4,
+    )
+    _reduce_kernel[(num_seqs, num_q_heads)](
+        out, part_acc, part_ml, query_start_loc, num_q_heads, head_size,
+        out.stride(0), out.stride(1),
+        NUM_SPLITS=num_splits, SPLITS_PAD=next_power_of_2(num_splits), D_PAD=d_pad,
+        num_warps=4,
+    )
