@@ -1,0 +1,13 @@
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import ops
+
+
+class SiluAndMul(nn.Module):
+    """``[T, 2I] -> [T, I]``: silu of the first half times the second half."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.silu_and_mul(x)

@@ -1,0 +1,42 @@
+"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the rows."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.distributed import all_reduce, divide, gather_last_dim, tp_rank, tp_size
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.shard_size = divide(vocab_size, tp_size(), "vocab_size")
+        self.start = tp_rank() * self.shard_size
+        self.weight = nn.Parameter(torch.empty(self.shard_size, hidden), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        shard = loaded.narrow(0, self.start, self.shard_size)
+        if shard.shape != param.shape:
+            raise ValueError(f"embedding: expected shape {tuple(param.shape)}, checkpoint gives "
+                             f"{tuple(shard.shape)}")
+        param.data.copy_(shard)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if tp_size() == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        mask = (local >= 0) & (local < self.shard_size)
+        out = F.embedding(local.clamp(0, self.shard_size - 1), self.weight)
+        out.mul_(mask.unsqueeze(-1).to(out.dtype))
+        return all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits for the rows of ``hidden`` given; rank 0 receives the full vocabulary."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return gather_last_dim(F.linear(hidden, self.weight))

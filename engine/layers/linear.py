@@ -1,0 +1,107 @@
+"""Tensor-parallel linear layers. Each owns its weight loader: it is handed a full checkpoint
+tensor (and, for packed layers, which part it is) and copies in this rank's shard.
+
+- ``ColumnParallelLinear``: output features split across ranks (no communication).
+- ``MergedColumnParallelLinear``: several column-parallel outputs packed in one matmul (gate/up).
+- ``QKVParallelLinear``: q, k and v packed; KV heads split, or replicated when fewer than ranks.
+- ``RowParallelLinear``: input features split; partial outputs summed with an all-reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.distributed import all_reduce, divide, tp_rank, tp_size
+
+
+def _copy_checked(param: nn.Parameter, shard: torch.Tensor, name: str) -> None:
+    if param.shape != shard.shape:
+        raise ValueError(f"{name}: expected shape {tuple(param.shape)}, checkpoint gives "
+                         f"{tuple(shard.shape)}")
+    param.data.copy_(shard)
+
+
+class LinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, shard_dim: int | None):
+        super().__init__()
+        self.shard_dim = shard_dim  # dimension of the full weight that ranks split (None: whole)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        dim = self.shard_dim
+        if dim is not None and not (dim == 1 and loaded.dim() == 1):  # row-parallel bias: whole
+            size = param.shape[dim]
+            loaded = loaded.narrow(dim, tp_rank() * size, size)
+        _copy_checked(param, loaded, "weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(in_features, out_features, bias, None)
+
+
+class ColumnParallelLinear(LinearBase):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(in_features, divide(out_features, tp_size(), "output size"), bias, 0)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """``output_sizes`` packed along the output dimension; shard ``i`` loads part ``i``."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        tp = tp_size()
+        offset = sum(self.output_sizes[:shard_id]) // tp
+        size = self.output_sizes[shard_id] // tp
+        target = param.data.narrow(0, offset, size)
+        _copy_checked(target, loaded.narrow(0, tp_rank() * size, size), f"part {shard_id}")
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False):
+        tp = tp_size()
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, tp, "num_attention_heads")
+        if num_kv_heads >= tp:
+            self.num_kv_heads = divide(num_kv_heads, tp, "num_key_value_heads")
+        else:  # fewer KV heads than ranks: each rank keeps one, replicated
+            divide(tp, num_kv_heads, "tensor_parallel_size over num_key_value_heads")
+            self.num_kv_heads = 1
+        self.num_kv_replicas = max(1, tp // num_kv_heads)
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        LinearBase.__init__(self, hidden, out, bias, 0)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
+        rank = tp_rank() if shard_id == "q" else tp_rank() // self.num_kv_replicas
+        target = param.data.narrow(0, offset, size)
+        _copy_checked(target, loaded.narrow(0, rank * size, size), f"{shard_id}_proj")
+
+
+class RowParallelLinear(LinearBase):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(divide(in_features, tp_size(), "input size"), out_features, bias, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if tp_size() > 1:
+            all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y

@@ -1,0 +1,137 @@
+"""Batched sampling: penalties, min_tokens, temperature, top-k / top-p / min-p, seeds, logprobs.
+
+The batch's work is done in a few tensor ops; per-row Python runs only for penalties and seeded
+rows. Sampling uses the exponential race (argmax of probs / Exp(1) noise), so a seeded row draws
+its noise from its own generator and gets the same tokens whatever else is in the batch.
+Logprobs are those of the raw model distribution (log-softmax of the logits before any
+processing), as vLLM returns by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.outputs import Logprobs
+from engine.request import Request
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[Logprobs | None]
+
+
+class Sampler:
+    def __init__(self, seed: int, device: torch.device):
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        self.row_generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self.row_generators.pop(request_id, None)
+
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
+        logits = logits.float()
+        params = [r.params for r in reqs]
+        raw_logprobs = (torch.log_softmax(logits, dim=-1)
+                        if any(p.logprobs is not None for p in params) else None)
+        if any(p.needs_penalties for p in params):
+            logits = logits.clone()
+            self._apply_penalties(logits, reqs)
+        self._mask_early_stop(logits, reqs)
+        if all(p.greedy for p in params):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, reqs)
+        token_list = tokens.tolist()
+        out_logprobs = [None] * len(reqs)
+        if raw_logprobs is not None:
+            out_logprobs = self._gather_logprobs(raw_logprobs, tokens, token_list, params)
+        return SamplerOutput(token_list, out_logprobs)
+
+    def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request]) -> None:
+        for i, r in enumerate(reqs):
+            p = r.params
+            if not p.needs_penalties:
+                continue
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(r.all_token_ids)), device=logits.device)
+                scores = logits[i, seen]
+                logits[i, seen] = torch.where(scores > 0, scores / p.repetition_penalty,
+                                              scores * p.repetition_penalty)
+            out = r.output_token_ids
+            if out and (p.presence_penalty or p.frequency_penalty):
+                ids = torch.tensor(out, device=logits.device)
+                counts = torch.zeros_like(logits[i]).index_add_(0, ids, torch.ones_like(ids,
+                                                                dtype=logits.dtype))
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+
+    @staticmethod
+    def _mask_early_stop(logits: torch.Tensor, reqs: list[Request]) -> None:
+        for i, r in enumerate(reqs):
+            if r.num_output_tokens < r.params.min_tokens and r.stop_ids:
+                logits[i, list(r.stop_ids)] = float("-inf")
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        params = [r.params for r in reqs]
+        dev = logits.device
+        greedy = torch.tensor([p.greedy for p in params], device=dev)
+        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
+        greedy_tokens = logits.argmax(dim=-1)
+        logits = logits / temps.unsqueeze(1)
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            logits = _top_k_top_p(logits, params)
+        probs = torch.softmax(logits, dim=-1)
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1)
+            probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, r in enumerate(reqs):
+            if r.params.seed is not None and not r.params.greedy:
+                noise[i].exponential_(generator=self._row_generator(r))
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, greedy_tokens, sampled)
+
+    def _row_generator(self, r: Request) -> torch.Generator:
+        gen = self.row_generators.get(r.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.generator.device)
+            gen.manual_seed(r.params.seed + r.index)
+            self.row_generators[r.request_id] = gen
+        return gen
+
+    @staticmethod
+    def _gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int],
+                         params) -> list[Logprobs | None]:
+        chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        k = max(p.logprobs or 0 for p in params)
+        top_vals, top_ids = (raw.topk(k, dim=-1) if k else (None, None))
+        top_vals = top_vals.tolist() if k else None
+        top_ids = top_ids.tolist() if k else None
+        out: list[Logprobs | None] = []
+        for i, p in enumerate(params):
+            if p.logprobs is None:
+                out.append(None)
+                continue
+            entry = {token_list[i]: chosen[i]}
+            for j in range(p.logprobs):
+                entry.setdefault(top_ids[i][j], top_vals[i][j])
+            out.append(entry)
+        return out
+
+
+def _top_k_top_p(logits: torch.Tensor, params) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    dev = logits.device
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+    top_p = torch.tensor([p.top_p for p in params], device=dev)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=dev).unsqueeze(0)
+    mask = ranks >= top_k.clamp(max=vocab).unsqueeze(1)
+    probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
+    mask |= before >= top_p.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -1,0 +1,231 @@
+"""``LLMEngine``: the synchronous core. ``add_request`` queues, ``step`` runs one batch and
+returns what changed, ``abort`` drops a request and frees its blocks."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import EngineConfig
+from engine.detokenizer import TextStream
+from engine.kv_cache_manager import KVCacheManager
+from engine.loader import resolve_dtype
+from engine.model_runner import ModelRunner
+from engine.models.hf_config import HFConfig
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.tokenizer import eos_token_ids, load_tokenizer
+
+PromptType = str | Sequence[int] | dict
+
+
+@dataclass
+class _Group:
+    """The ``n`` sequences of one request and what has been reported of them."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Request]
+    streams: list[TextStream | None]
+    sent_tokens: list[int] = field(default_factory=list)
+    pending_text: list[str] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, progress: bool = True, **kwargs):
+        self.config = config = config or EngineConfig.from_kwargs(**kwargs)
+        from engine.default_model import DEFAULT_MODEL_NAME, default_model_path
+
+        model_path = config.model.model or str(default_model_path())
+        self.model_name = config.model.model or DEFAULT_MODEL_NAME
+        self.hf = HFConfig.load(model_path)
+        self.device = _resolve_device(config.device.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.device.num_threads or os.cpu_count() or 1)
+        if config.parallel.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported yet (accepted: 1)")
+        self.max_model_len = _resolve_max_model_len(config.model.max_model_len, self.hf)
+        self.tokenizer = load_tokenizer(model_path)
+        self.eos_token_ids = frozenset(eos_token_ids(model_path, self.hf, self.tokenizer))
+        dtype = resolve_dtype(config.model.dtype, self.hf.torch_dtype, self.device)
+        self.runner = ModelRunner(config, self.hf, model_path, self.device, dtype,
+                                  self.max_model_len, progress)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
+                                 config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.groups: dict[str, _Group] = {}
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.num_steps = 0
+
+    # ----------------------------------------------------------------- requests in
+    def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """Tokenize and check a prompt; ``ValueError`` naming the problem."""
+        text = None
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.hf.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids must be integers in [0, "
+                                 f"{self.hf.vocab_size - 1}], got {bad[:5]}")
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt is {len(ids)} tokens long; max_model_len is "
+                             f"{self.max_model_len}, so prompts may have at most "
+                             f"{self.max_model_len - 1} tokens")
+        return text, ids
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        if request_id in self.groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params.validate()
+        text, ids = self.process_prompt(prompt)
+        seqs = [Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, params,
+                        self.eos_token_ids, index=i, group_id=request_id,
+                        arrival_time=arrival_time) for i in range(params.n)]
+        for child in seqs[1:]:
+            child.parent = seqs[0]
+        streams = [TextStream(self.tokenizer, ids, params.stop, params.include_stop_str_in_output,
+                              params.skip_special_tokens) if params.detokenize else None
+                   for _ in seqs]
+        self.groups[request_id] = _Group(request_id, text, ids, params, seqs, streams,
+                                         [0] * params.n, [""] * params.n)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        self.prompt_tokens_total += len(ids)
+
+    def abort(self, request_id: str) -> None:
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return
+        for seq in group.seqs:
+            self.scheduler.abort(seq)
+            self.runner.sampler.forget(seq.request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.groups)
+
+    # ----------------------------------------------------------------- the step
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        reqs, sampled = self.runner.execute(sched)
+        self.scheduler.finish_step(sched)
+        self.num_steps += 1
+        touched: dict[str, _Group] = {}
+        now = time.monotonic()
+        for i, req in enumerate(reqs):
+            self._append(req, sampled.token_ids[i], sampled.logprobs[i], now)
+            touched[req.group_id] = self.groups[req.group_id]
+        outputs = [out for g in touched.values() if (out := self._make_output(g)) is not None]
+        for g in touched.values():
+            if g.finished:
+                del self.groups[g.request_id]
+        return outputs
+
+    def _append(self, req: Request, token: int, logprobs, now: float) -> None:
+        req.append_token(token, logprobs)
+        self.generation_tokens_total += 1
+        if req.first_token_time is None:
+            req.first_token_time = now
+        finished = req.check_stop(self.max_model_len)
+        group = self.groups[req.group_id]
+        stream = group.streams[req.index]
+        if stream is not None:
+            text, stop_str = stream.add([token])
+            if stop_str is not None and not finished:
+                req.status, req.stop_reason, finished = RequestStatus.FINISHED_STOPPED, stop_str, True
+            if finished:
+                text += stream.finish()
+            group.pending_text[req.index] += text
+        if finished:
+            self.scheduler.free_finished(req)
+            self.runner.sampler.forget(req.request_id)
+
+    def _make_output(self, g: _Group) -> RequestOutput | None:
+        kind = g.params.output_kind
+        if kind == "final" and not g.finished:
+            return None
+        outs = []
+        for seq in g.seqs:
+            sent = g.sent_tokens[seq.index]
+            if kind == "delta" and sent == seq.num_output_tokens and not seq.finished:
+                continue
+            outs.append(self._completion(g, seq, delta=kind == "delta"))
+            g.sent_tokens[seq.index] = seq.num_output_tokens
+        return RequestOutput(g.request_id, g.prompt_token_ids, outs, g.finished, g.prompt,
+                             num_cached_tokens=g.seqs[0].num_cached_tokens)
+
+    def _completion(self, g: _Group, seq: Request, delta: bool) -> CompletionOutput:
+        start = g.sent_tokens[seq.index] if delta else 0
+        stream = g.streams[seq.index]
+        if delta:
+            text, g.pending_text[seq.index] = g.pending_text[seq.index], ""
+        else:
+            text = stream.emitted_text if stream is not None else ""
+        logprobs = seq.logprobs[start:] if g.params.logprobs is not None else None
+        finish = seq.status.value if seq.finished else None
+        return CompletionOutput(seq.index, seq.output_token_ids[start:], text, logprobs, finish,
+                                seq.stop_reason)
+
+    # ----------------------------------------------------------------- introspection
+    def get_stats(self) -> dict[str, float]:
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_free_blocks": self.kv.num_free_blocks,
+            "num_total_blocks": self.kv.num_blocks,
+            "kv_cache_usage": self.kv.usage,
+            "prefix_cache_queries": self.kv.prefix_queries,
+            "prefix_cache_hits": self.kv.prefix_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+        }
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA device is available (accepted: cpu, auto)")
+    return torch.device(name)
+
+
+def _resolve_max_model_len(requested: int | None, hf: HFConfig) -> int:
+    limit = hf.max_position
+    if requested is None:
+        requested = limit
+    if requested > limit:
+        raise ValueError(f"max_model_len={requested} is over the model's "
+                         f"max_position_embeddings={limit}")
+    if hf.sliding_window and requested > hf.sliding_window:
+        raise ValueError(f"sliding-window attention is not supported: set max_model_len <= "
+                         f"sliding_window={hf.sliding_window} (got {requested})")
+    return requested

@@ -1,0 +1,107 @@
+"""Checkpoint loading: safetensors, one file or sharded (``model.safetensors.index.json``).
+
+Every checkpoint tensor is handed to the ``weight_loader`` of the parameter it feeds, which takes
+this rank's shard. Nothing from the checkpoint folder is ever executed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm.auto import tqdm
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def safetensors_files(folder: str | Path) -> list[Path]:
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index}: malformed index ({e})") from None
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f.name) for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"{index} names missing files: {', '.join(missing)}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{folder}: no *.safetensors files (only safetensors checkpoints load)")
+    return files
+
+
+def _target(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, object]:
+    for part, (packed_name, shard_id) in packed.items():
+        if f".{part}." in name:
+            return name.replace(f".{part}.", f".{packed_name}."), shard_id
+    return name, None
+
+
+def load_weights(model: nn.Module, folder: str | Path, progress: bool = True) -> None:
+    """Fill ``model``'s parameters from the checkpoint; raise ``ValueError`` naming any missing
+    tensor, unknown packed target or shape mismatch."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    packed = getattr(model, "packed_modules_mapping", {})
+    loaded: set[str] = set()
+    files = safetensors_files(folder)
+    bar = tqdm(total=len(files), desc="Loading weights", unit="file", disable=not progress)
+    for path in files:
+        try:
+            handle = safe_open(str(path), framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own error type on a corrupt header
+            raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+        with handle as f:
+            for name in f.keys():
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                target, shard_id = _target(name, packed)
+                param = params.get(target)
+                if param is None:
+                    continue  # tensors the architecture does not use
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                try:
+                    loader(param, f.get_tensor(name), shard_id)
+                except ValueError as e:
+                    raise ValueError(f"{path.name}: tensor {name}: {e}") from None
+                loaded.add(target if shard_id is None else f"{target}#{shard_id}")
+        bar.update(1)
+    bar.close()
+    _check_complete(model, params, packed, loaded)
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    """For unsharded parameters (norm weights): copy the whole tensor."""
+    if param.shape != loaded.shape:
+        raise ValueError(f"expected shape {tuple(param.shape)}, checkpoint gives "
+                         f"{tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+def _check_complete(model: nn.Module, params: dict, packed: dict, loaded: set[str]) -> None:
+    expected: set[str] = set()
+    for name in params:
+        shard_ids = [sid for part, (pname, sid) in packed.items() if f".{pname}." in name]
+        expected.update(f"{name}#{sid}" for sid in shard_ids) if shard_ids else expected.add(name)
+    if getattr(getattr(model, "cfg", None), "tie_word_embeddings", False):
+        expected.discard("lm_head.weight")
+    missing = sorted(expected - loaded)
+    if missing:
+        shown = ", ".join(m.replace("#", " part ") for m in missing[:8])
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        raise ValueError(f"checkpoint is missing tensors: {shown}{more}")
+
+
+def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+    table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    if name != "auto":
+        return table[name]
+    dtype = table.get(str(checkpoint_dtype).replace("torch.", ""), torch.float32)
+    if device.type == "cpu" and dtype == torch.float16:
+        return torch.bfloat16  # fp16 matmuls are slow on CPUs; bf16 has native support
+    return dtype

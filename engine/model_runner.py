@@ -1,0 +1,141 @@
+"""Builds each step's flat batch, runs the model over it and samples.
+
+The batch is every scheduled request's new tokens laid end to end: ``input_ids`` and
+``positions`` ``[T]``, the cache ``slot_mapping`` ``[T]``, ``block_tables`` ``[B, max_blocks]``,
+``seq_lens`` and ``query_start_loc`` (cu_seqlens of the queries). Logits are computed only for
+the last token of requests whose new tokens reach the end of their sequence.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.config import EngineConfig
+from engine.context import AttentionMetadata, set_context
+from engine.layers.attention import Attention
+from engine.layers.sampler import Sampler, SamplerOutput
+from engine.loader import load_weights
+from engine.models.hf_config import HFConfig
+from engine.models.registry import model_class
+from engine.request import Request
+from engine.scheduler import SchedulerOutput
+
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, hf: HFConfig, model_path: str,
+                 device: torch.device, dtype: torch.dtype, max_model_len: int,
+                 progress: bool = True):
+        self.config, self.hf, self.device, self.dtype = config, hf, device, dtype
+        self.block_size = config.cache.block_size
+        self.max_model_len = max_model_len
+        self.model = self._build_model(model_path, progress)
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.num_blocks = self._allocate_kv_cache()
+        self.sampler = Sampler(config.model.seed, device)
+
+    # ----------------------------------------------------------------- start-up
+    def _build_model(self, model_path: str, progress: bool) -> torch.nn.Module:
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = model_class(self.hf.architecture)(self.hf)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        load_weights(model, model_path, progress=progress)
+        return model.eval()
+
+    def kv_bytes_per_block(self) -> int:
+        attn = self.attn_layers[0]
+        per_layer = 2 * self.block_size * attn.num_kv_heads * attn.head_dim
+        return per_layer * len(self.attn_layers) * self.dtype.itemsize
+
+    def _kv_budget_bytes(self) -> int:
+        cache = self.config.cache
+        if cache.kv_cache_memory_bytes is not None:
+            return cache.kv_cache_memory_bytes
+        if self.device.type != "cuda":
+            return DEFAULT_CPU_KV_BYTES
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self._profile_run()
+        free, total = torch.cuda.mem_get_info()
+        activation_peak = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
+        return int(total * cache.gpu_memory_utilization - (total - free) - activation_peak)
+
+    def _profile_run(self) -> None:
+        """A forward over a full token budget, without a cache, to measure activation memory."""
+        n = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            hidden = self.model.model.embed_tokens(ids)
+            self.model.compute_logits(hidden[-self.config.scheduler.max_num_seqs :])
+        del hidden
+
+    def _allocate_kv_cache(self) -> int:
+        per_block = self.kv_bytes_per_block()
+        num_blocks = self._kv_budget_bytes() // per_block
+        needed_blocks = -(-self.max_model_len // self.block_size)
+        if num_blocks < needed_blocks:
+            raise ValueError(
+                f"KV cache too small: {max(num_blocks, 0)} blocks of {self.block_size} tokens "
+                f"hold fewer than max_model_len={self.max_model_len} tokens; one sequence needs "
+                f"{needed_blocks * per_block} bytes (kv_cache_memory_bytes or "
+                "gpu_memory_utilization), or lower max_model_len")
+        attn = self.attn_layers[0]
+        shape = (len(self.attn_layers), num_blocks, 2, self.block_size, attn.num_kv_heads,
+                 attn.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.attn_layers):
+            layer.k_cache = self.kv_cache[i, :, 0]
+            layer.v_cache = self.kv_cache[i, :, 1]
+        return num_blocks
+
+    # ----------------------------------------------------------------- one step
+    def prepare(self, sched: SchedulerOutput):
+        bs = self.block_size
+        ids: list[int] = []
+        positions, slots = [], []
+        seq_lens, q_starts = [], [0]
+        sample_idx: list[int] = []
+        sample_reqs: list[Request] = []
+        max_blocks = max(len(r.block_ids) for r, _ in sched.scheduled)
+        tables = np.zeros((len(sched.scheduled), max_blocks), dtype=np.int32)
+        for b, (req, n) in enumerate(sched.scheduled):
+            start, end = req.num_computed_tokens, req.num_computed_tokens + n
+            ids.extend(req.all_token_ids[start:end])
+            table = np.asarray(req.block_ids, dtype=np.int64)
+            tables[b, : len(table)] = table
+            pos = np.arange(start, end)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            seq_lens.append(end)
+            q_starts.append(q_starts[-1] + n)
+            if end == req.num_tokens:
+                sample_idx.append(q_starts[-1] - 1)
+                sample_reqs.append(req)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            block_tables=torch.from_numpy(tables).to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(q_starts, dtype=torch.int32, device=dev),
+            max_query_len=max(n for _, n in sched.scheduled),
+            max_seq_len=max(seq_lens),
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
+        return input_ids, pos_t, meta, sample_idx, sample_reqs
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:
+        input_ids, positions, meta, sample_idx, sample_reqs = self.prepare(sched)
+        with set_context(meta):
+            hidden = self.model(input_ids, positions)
+        if not sample_reqs:
+            return [], None
+        logits = self.model.compute_logits(hidden[sample_idx])
+        return sample_reqs, self.sampler(logits, sample_reqs)

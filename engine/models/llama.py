@@ -1,0 +1,108 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2): RMSNorm, GQA attention with rotary
+embeddings, gated SiLU MLP. The architectures differ only in flags read from config.json
+(qkv bias for Qwen2, tied embeddings, rope scaling)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.layers.activation import SiluAndMul
+from engine.layers.attention import Attention
+from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+from engine.models.hf_config import HFConfig
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: HFConfig):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
+                                          cfg.num_kv_heads, bias=cfg.qkv_bias)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
+                                        bias=cfg.o_bias)
+        self.q_size = self.qkv_proj.num_heads * cfg.head_dim
+        self.kv_size = self.qkv_proj.num_kv_heads * cfg.head_dim
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta,
+                                          cfg.rope)
+        self.attn = Attention(self.qkv_proj.num_heads, cfg.head_dim,
+                              self.qkv_proj.num_kv_heads, cfg.head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = q.contiguous(), k.contiguous()
+        self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: HFConfig):
+        super().__init__()
+        size = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size])
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: HFConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, positions, x, residual):
+        if residual is None:
+            residual = x.clone()
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: HFConfig):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name part -> (our packed module, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: HFConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head(hidden)

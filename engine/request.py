@@ -1,0 +1,102 @@
+"""One sequence being generated: its tokens, how many have KV in the cache, its blocks."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from engine.outputs import Logprobs
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+class Request:
+    """A sequence. ``n > 1`` requests become one ``Request`` per sample, the first (``index`` 0)
+    being the parent whose prompt blocks its siblings share once its prompt is computed.
+
+    ``num_computed_tokens`` counts the tokens whose KV is in the cache; the scheduler's only rule is
+    to let it catch up with ``num_tokens``.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: frozenset[int] = frozenset(),
+        index: int = 0,
+        group_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.group_id = group_id if group_id is not None else request_id
+        self.index = index
+        self.prompt_token_ids = prompt_token_ids
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else eos_token_ids
+        )
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of this request's full blocks
+        self.logprobs: list[Logprobs] = []
+        self.stop_reason: int | str | None = None
+        self.siblings: list[Request] = []  # on the parent: the others of its group
+        self.parent: Request | None = None  # on a sibling: waits to share its prompt blocks
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.first_token_time: float | None = None
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int, logprobs: Logprobs | None) -> None:
+        self.all_token_ids.append(token_id)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """After a new token: set a finished status if a stop condition holds."""
+        last = self.all_token_ids[-1]
+        n_out = self.num_output_tokens
+        if n_out >= self.params.min_tokens and last in self.stop_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+            self.stop_reason = last
+        elif (self.params.max_tokens is not None and n_out >= self.params.max_tokens) or (
+            self.num_tokens >= max_model_len
+        ):
+            self.status = RequestStatus.FINISHED_LENGTH
+        return self.finished
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_ids}, {self.status.value})")

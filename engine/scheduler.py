@@ -1,0 +1,134 @@
+"""Continuous batching under one rule: each step, every request's computed tokens catch up
+toward its total tokens, under a token budget (``max_num_batched_tokens``) and a sequence cap
+(``max_num_seqs``).
+
+Running requests are served first, in arrival order; when the cache runs out of blocks the most
+recently admitted running request is preempted (its blocks freed; it is recomputed later). Then
+waiting requests are admitted in order, their prefix-cache hits counted as computed. A prompt
+longer than the budget is simply computed over several steps (chunked prefill).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.config import SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """The requests of one step and how many new tokens each computes, in batch order."""
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ----------------------------------------------------------------- queues
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, req: Request) -> None:
+        """Remove ``req`` wherever it is and free its blocks."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        if not req.finished:
+            req.status = RequestStatus.FINISHED_ABORTED
+
+    # ----------------------------------------------------------------- the step
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._extend_running(out, self.max_num_batched_tokens)
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _extend_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, req.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append((req, n))
+                budget -= n
+                i += 1
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting.popleft()
+            if req.parent is not None and not req.block_ids and not self._fork(req):
+                skipped.append(req)  # waits to share its parent's prompt blocks
+                continue
+            hits = [] if req.block_ids else self.kv.get_computed_blocks(req)
+            computed = req.num_computed_tokens + len(hits) * self.kv.block_size
+            n = min(req.num_tokens - computed, budget)
+            if not self.kv.allocate_slots(req, computed + n, hits):
+                self.waiting.appendleft(req)
+                break
+            if hits:
+                req.num_computed_tokens = req.num_cached_tokens = computed
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append((req, n))
+            budget -= n
+        self.waiting.extendleft(reversed(skipped))
+
+    def _fork(self, req: Request) -> bool:
+        parent = req.parent
+        assert parent is not None
+        if parent.num_computed_tokens < parent.num_prompt_tokens and not parent.finished:
+            return False
+        if not parent.finished:
+            self.kv.fork(parent, req)
+        req.parent = None
+        return True
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req)
+
+    # ----------------------------------------------------------------- after the model ran
+    def finish_step(self, out: SchedulerOutput) -> None:
+        """Advance computed counts and register the newly full blocks in the prefix cache."""
+        for req, n in out.scheduled:
+            req.num_computed_tokens += n
+            self.kv.cache_blocks(req)
+
+    def free_finished(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        self.kv.free(req)
