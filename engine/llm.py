@@ -57,7 +57,10 @@ class LLM:
         start, tokens = time.monotonic(), 0
         try:
             while self.engine.has_unfinished():
-                for out in self.engine.step():
+                outputs = self.engine.step()
+                for rid, err in self.engine.pop_errors():
+                    raise RuntimeError(f"request {rid} failed: {err!r}") from err
+                for out in outputs:
                     if out.finished:
                         done[out.request_id] = out
                         tokens += sum(len(c.token_ids) for c in out.outputs)

@@ -69,6 +69,7 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_steps = 0
+        self.errors: list[tuple[str, Exception]] = []
 
     # ----------------------------------------------------------------- requests in
     def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -127,6 +128,15 @@ class LLMEngine:
             self.scheduler.abort(seq)
             self.runner.sampler.forget(seq.request_id)
 
+    def _fail(self, request_id: str, err: Exception) -> None:
+        self.abort(request_id)
+        self.errors.append((request_id, err))
+
+    def pop_errors(self) -> list[tuple[str, Exception]]:
+        """Requests that failed in the last steps, with their errors."""
+        errors, self.errors = self.errors, []
+        return errors
+
     def has_unfinished(self) -> bool:
         return bool(self.groups)
 
@@ -141,7 +151,14 @@ class LLMEngine:
         touched: dict[str, _Group] = {}
         now = time.monotonic()
         for i, req in enumerate(reqs):
-            self._append(req, sampled.token_ids[i], sampled.logprobs[i], now)
+            if req.group_id not in self.groups:
+                continue  # its group failed earlier in this step
+            try:
+                self._append(req, sampled.token_ids[i], sampled.logprobs[i], now)
+            except Exception as e:  # fail this request only
+                self._fail(req.group_id, e)
+                touched.pop(req.group_id, None)
+                continue
             touched[req.group_id] = self.groups[req.group_id]
         outputs = [out for g in touched.values() if (out := self._make_output(g)) is not None]
         for g in touched.values():

@@ -1,0 +1,167 @@
+"""``AsyncEngine``: the step loop in a background thread, one async stream per request.
+
+The loop thread alone touches the ``LLMEngine``; callers talk to it through an inbox (add,
+abort) and receive outputs on per-request ``asyncio`` queues. Closing or cancelling a stream
+aborts its request; a request that fails (bad input, an error while processing its tokens)
+raises in its own stream only, and the loop goes on serving the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, PromptType
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+_RATE_WINDOW_S = 10.0
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop has stopped; no request can be served."""
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | None = None, progress: bool = False, **kwargs):
+        self.engine = LLMEngine(config, progress=progress, **kwargs)
+        self.config = self.engine.config
+        self.tokenizer = self.engine.tokenizer
+        self.model_name = self.engine.model_name
+        self.max_model_len = self.engine.max_model_len
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stopping = False
+        self._stats = self.engine.get_stats()
+        self._rate: collections.deque[tuple[float, int]] = collections.deque()
+        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> AsyncEngine:
+        return cls(EngineConfig.from_kwargs(**kwargs))
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    # ----------------------------------------------------------------- the public face
+    async def generate(self, request_id: str, prompt: PromptType,
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Stream ``RequestOutput``s for one request. Bad input raises ``ValueError`` before the
+        first output; leaving the loop early aborts the request and frees its blocks."""
+        if not self.is_running:
+            raise EngineDeadError("the engine has stopped")
+        params.validate()
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        self._send(("add", request_id, prompt, params, time.monotonic()))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request wherever it is (thread-safe, idempotent)."""
+        self._send(("abort", request_id))
+
+    def get_stats(self) -> dict[str, float]:
+        stats = dict(self._stats)
+        now = time.monotonic()
+        window = [n for t, n in list(self._rate) if now - t <= _RATE_WINDOW_S]
+        stats["output_tokens_per_s"] = sum(window) / _RATE_WINDOW_S
+        return stats
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        self._thread.join(timeout=30)
+
+    # ----------------------------------------------------------------- the loop thread
+    def _send(self, msg: tuple) -> None:
+        self._inbox.put(msg)
+        self._wakeup.set()
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_inbox()
+                if not self.engine.has_unfinished():
+                    self._wakeup.wait(timeout=0.5)
+                    self._wakeup.clear()
+                    continue
+                self._step()
+        finally:
+            self._fail_all(EngineDeadError("the engine has stopped"))
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg[0] == "add":
+                _, rid, prompt, params, arrival = msg
+                if rid not in self._streams:
+                    continue  # its consumer left before it was added
+                try:
+                    self.engine.add_request(rid, prompt, params, arrival)
+                except Exception as e:  # bad input: fail this request only
+                    self._deliver(rid, e)
+            else:
+                self.engine.abort(msg[1])
+            self._stats = self.engine.get_stats()
+
+    def _step(self) -> None:
+        before = self.engine.generation_tokens_total
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # a failure inside the model: fail what was in flight
+            for rid in list(self.engine.groups):
+                self.engine.abort(rid)
+                self._deliver(rid, RuntimeError(f"engine step failed: {e!r}"))
+            return
+        for rid, err in self.engine.pop_errors():
+            self._deliver(rid, err)
+        now = time.monotonic()
+        self._rate.append((now, self.engine.generation_tokens_total - before))
+        while self._rate and now - self._rate[0][0] > _RATE_WINDOW_S:
+            self._rate.popleft()
+        self._stats = self.engine.get_stats()
+        for out in outputs:
+            self._deliver(out.request_id, out)
+
+    def _deliver(self, request_id: str, item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _fail_all(self, err: BaseException) -> None:
+        for rid in list(self._streams):
+            self._deliver(rid, err)
