@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_testing import build_paged_batch
 
 from kernels import ops
 from kernels.activation import silu_and_mul_ref
@@ -13,6 +12,7 @@ from kernels.kv_cache import store_kv_cache_ref
 from kernels.paged_attention import paged_attention_ref
 from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rotary import rotary_embedding_ref
+from tests.kernels.kernel_testing import build_paged_batch
 
 
 def naive_attention(query, dense_k, dense_v, seq_lens, query_lens, scale):
