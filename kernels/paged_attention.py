@@ -41,11 +41,12 @@ def _prefill_ref(query, k_cache, v_cache, block_table, seq_len, scale):
     q_len, num_q_heads, head_size = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    k = gather_kv_ref(k_cache, block_table[None], seq_len)[0].float().transpose(0, 1)  # [Hk, L, D]
-    v = gather_kv_ref(v_cache, block_table[None], seq_len)[0].float().transpose(0, 1)
-    # [q_len, Hk, G, D] -> [Hk, G * q_len, D]: each kv head serves its G query heads in one call.
+    k = gather_kv_ref(k_cache, block_table[None], seq_len).float().transpose(1, 2)  # [1, Hk, L, D]
+    v = gather_kv_ref(v_cache, block_table[None], seq_len).float().transpose(1, 2)
+    # [q_len, Hk, G, D] -> [1, Hk, G * q_len, D]: each kv head serves its G query heads in one call
+    # (4-D inputs take torch's fused CPU attention; 3-D ones fall back to the slow math path).
     q = query.float().view(q_len, num_kv_heads, group, head_size).permute(1, 2, 0, 3)
-    q = q.reshape(num_kv_heads, group * q_len, head_size)
+    q = q.reshape(1, num_kv_heads, group * q_len, head_size)
     q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
     causal = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]  # [q_len, L]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal.repeat(group, 1), scale=scale)
