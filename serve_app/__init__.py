@@ -1,0 +1,25 @@
+"""pagedserve's serving layer on Ray Serve: a Router (HTTP + dynamic batcher) and Workers.
+
+``serve run serve_app:app`` serves the default model; ``serve run serve_app:build_app
+model=/path num_workers=2 ...`` builds the app from validated arguments (``AppConfig``).
+"""
+
+from typing import Any
+
+__all__ = ["AppConfig", "app", "build_app"]
+
+
+def __getattr__(name: str) -> Any:  # lazy: importing serve_app builds nothing
+    if name == "build_app":
+        from serve_app.app import build_app
+
+        return build_app
+    if name == "app":
+        from serve_app.app import build_app
+
+        return build_app({})
+    if name == "AppConfig":
+        from serve_app.config import AppConfig
+
+        return AppConfig
+    raise AttributeError(name)

@@ -1,0 +1,55 @@
+"""``build_app``: validated ``AppConfig`` -> the Router + Worker Serve application.
+
+No ``from __future__ import annotations`` here: Serve reads ``build_app``'s parameter annotation
+to validate ``serve run serve_app:build_app key=value ...`` arguments into ``AppConfig``.
+"""
+
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+
+from serve_app.config import AppConfig
+from serve_app.request_router import WorkerRequestRouter
+from serve_app.router import Router
+from serve_app.worker import Worker
+
+
+def build_app(args: AppConfig) -> Application:
+    """The application for ``args`` (an ``AppConfig`` or a dict of its fields)."""
+    cfg = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
+    worker = serve.deployment(Worker, name="Worker").options(**worker_options(cfg))
+    router = Router.options(num_replicas=cfg.num_routers,
+                            ray_actor_options={"num_cpus": cfg.router_num_cpus})
+    return router.bind(worker.bind(cfg), cfg)
+
+
+def worker_options(cfg: AppConfig) -> dict[str, Any]:
+    """Deployment options of the Worker: resources per replica and the request router."""
+    tp = cfg.engine.parallel.tensor_parallel_size
+    cpus = cfg.worker_num_cpus
+    opts: dict[str, Any] = {
+        "num_replicas": cfg.num_workers,
+        "max_ongoing_requests": cfg.worker_max_ongoing_requests,
+        "health_check_period_s": cfg.health_check_period_s,
+        "request_router_config": RequestRouterConfig(
+            request_router_class=WorkerRequestRouter,
+            request_router_kwargs={
+                "prefix_chunk_tokens": cfg.prefix_chunk_tokens,
+                "prefix_min_match_tokens": cfg.prefix_min_match_tokens,
+                "imbalance_threshold": cfg.imbalance_threshold,
+            },
+            request_routing_stats_period_s=cfg.routing_stats_period_s,
+        ),
+    }
+    if cfg.use_gpu():
+        opts["ray_actor_options"] = {"num_cpus": cpus, "num_gpus": 1}
+        bundle = {"CPU": cpus, "GPU": 1}
+    else:
+        opts["ray_actor_options"] = {"num_cpus": cpus}
+        bundle = {"CPU": cpus}
+    if tp > 1:  # one bundle per rank; rank 0 is the replica actor itself
+        opts["placement_group_bundles"] = [bundle] * tp
+        opts["placement_group_strategy"] = "STRICT_PACK"
+    return opts

@@ -1,0 +1,137 @@
+"""The Router's dynamic batcher and the fan-out of Worker messages to per-request queues.
+
+``DynamicBatcher.submit`` queues an ``EngineRequest``; a batch is sent when ``max_batch_size``
+requests wait or ``batch_wait_s`` has passed since the oldest. ``send_batch`` (the Router's
+``WorkerClient.run_batch``) streams the Worker's per-step messages and puts each request's part
+on its ``events`` queue as ``(request, event)`` (the requests of one HTTP call may share one
+queue), where ``event`` is one of:
+
+    ("t", index, token_ids, finish_reason, logprobs)   new tokens of sequence ``index``
+    ("done", num_prompt_tokens, num_cached_tokens)      the request is finished at the Worker
+    ("err", status, message)                           it failed (no more events follow)
+
+This module knows nothing about HTTP or Ray, so it is tested with a fake Worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.sampling_params import SamplingParams
+
+Event = tuple
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    """One prompt on its way through a Worker; the HTTP handler reads ``events``."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prefix_hashes: list[int] = field(default_factory=list)
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    events: asyncio.Queue[tuple[EngineRequest, Event]] = field(default_factory=asyncio.Queue)
+    replica: str | None = None
+    routed: asyncio.Event = field(default_factory=asyncio.Event)
+    submitted_at: float = field(default_factory=time.monotonic)
+    first_output_at: float | None = None
+    finished: bool = False  # the Worker is done with it (done/err seen)
+    released: bool = False  # the handler no longer listens
+    batch: Batch | None = None
+
+    def wire(self) -> tuple[str, list[int], SamplingParams]:
+        return self.request_id, self.prompt_token_ids, self.params
+
+
+@dataclass(eq=False)
+class Batch:
+    requests: list[EngineRequest]
+    task: asyncio.Task | None = None
+
+    def all_released(self) -> bool:
+        return all(r.released or r.finished for r in self.requests)
+
+
+class DynamicBatcher:
+    """Collects requests into batches; ``send_batch`` runs each batch in its own task."""
+
+    def __init__(self, send_batch: Callable[[Batch], Awaitable[None]], max_batch_size: int,
+                 batch_wait_s: float) -> None:
+        self._send_batch = send_batch
+        self.max_batch_size = max_batch_size
+        self.batch_wait_s = batch_wait_s
+        self._waiting: list[EngineRequest] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self.batch_sizes: dict[int, int] = {}  # batch size -> how many batches were sent
+
+    def submit(self, request: EngineRequest) -> None:
+        self._waiting.append(request)
+        if len(self._waiting) >= self.max_batch_size or self.batch_wait_s <= 0:
+            self.flush()
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.batch_wait_s, self.flush)
+
+    def flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        while self._waiting:
+            requests = self._waiting[: self.max_batch_size]
+            del self._waiting[: self.max_batch_size]
+            batch = Batch(requests)
+            for r in requests:
+                r.batch = batch
+            self.batch_sizes[len(requests)] = self.batch_sizes.get(len(requests), 0) + 1
+            batch.task = asyncio.get_running_loop().create_task(self._send_batch(batch))
+
+    def discard(self, request: EngineRequest) -> bool:
+        """Drop a request that is still waiting here; True if it was."""
+        if request in self._waiting:
+            self._waiting.remove(request)
+            return True
+        return False
+
+
+async def fan_out(batch: Batch, messages: AsyncIterator[dict[str, Any]],
+                  on_routed: Callable[[list[EngineRequest]], None] | None = None) -> None:
+    """Route each Worker message's parts to the requests' queues.
+
+    ``on_routed`` sees the batch once its replica is known (to abort requests already gone).
+    """
+    requests = batch.requests
+    async for msg in messages:
+        if "replica" in msg:
+            for r in requests:
+                r.replica = msg["replica"]
+                r.routed.set()
+            if on_routed is not None:
+                on_routed(requests)
+            continue
+        now = time.monotonic()
+        for slot, index, token_ids, finish, logprobs in msg.get("t", ()):
+            r = requests[slot]
+            if r.first_output_at is None:
+                r.first_output_at = now
+            r.events.put_nowait((r, ("t", index, token_ids, finish, logprobs)))
+        for slot, num_prompt, num_cached in msg.get("done", ()):
+            r = requests[slot]
+            r.finished = True
+            r.events.put_nowait((r, ("done", num_prompt, num_cached)))
+        for slot, status, message in msg.get("err", ()):
+            r = requests[slot]
+            r.finished = True
+            r.events.put_nowait((r, ("err", status, message)))
+
+
+def fail_unfinished(batch: Batch, status: int, message: str) -> None:
+    """End every request of a batch the Worker will not finish (its call failed)."""
+    for r in batch.requests:
+        r.routed.set()
+        if not r.finished:
+            r.finished = True
+            r.events.put_nowait((r, ("err", status, message)))

@@ -1,0 +1,139 @@
+"""The serving application's settings: one validated pydantic model.
+
+``serve run serve_app:build_app model=/m dtype=bfloat16 num_workers=2`` and the ``args:`` of a
+Serve config file both arrive here. Keys that belong to the engine (``model``, ``dtype``,
+``max_model_len``, ``block_size``, ...) may be given flat, as on the command line, or nested under
+``engine:``; everything else is a serving setting. Values from the CLI are strings and pydantic
+coerces them; an unknown key or a bad value is a ``ValueError`` at start-up.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+
+from engine.config import EngineConfig
+
+_ENGINE_KEYS = {k for f in EngineConfig.model_fields.values() for k in f.annotation.model_fields}  # type: ignore[union-attr]
+
+
+class AppConfig(BaseModel):
+    """Everything ``build_app`` needs: the engine's settings and the serving layer's."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig,
+        description="Engine settings (model, dtype, max_model_len, cache, scheduler, device). "
+        "Its keys may also be given flat, e.g. model=/path dtype=bfloat16.",
+    )
+    served_model_name: str | None = Field(
+        None, description="Name clients use in the `model` field; defaults to the engine's name "
+        "for the model (its path, or 'pagedserve-default')."
+    )
+    num_workers: int = Field(1, ge=1, description="Worker replicas, each owning one engine.")
+    num_routers: int = Field(1, ge=1, description="Router (HTTP ingress) replicas.")
+    max_batch_size: int = Field(
+        32, ge=1, description="The Router's batcher sends a batch as soon as this many requests "
+        "wait. 1 (with batch_wait_ms=0) dispatches one handle call per request."
+    )
+    batch_wait_ms: float = Field(
+        2.0, ge=0.0, le=1000.0, description="Longest time the oldest waiting request is held "
+        "before its batch is sent, in milliseconds."
+    )
+    max_waiting_requests: int = Field(
+        1024, ge=1, description="Bound on a Router replica's waiting queue: requests accepted but "
+        "without a first token yet. Requests beyond it get 429 with Retry-After."
+    )
+    max_request_body_bytes: int = Field(
+        4 * 1024 * 1024, ge=1024, description="Largest accepted HTTP request body; larger ones "
+        "get 413."
+    )
+    api_key: SecretStr | None = Field(
+        None, description="When set, /v1/* routes need `Authorization: Bearer <api_key>` (401 "
+        "otherwise). Never logged."
+    )
+    accelerator: Literal["auto", "cpu", "gpu"] = Field(
+        "auto", description="What a Worker asks Ray for: 'gpu' = one GPU per tensor-parallel rank, "
+        "'cpu' = worker_num_cpus CPUs; 'auto' = gpu when the cluster (or this machine) has GPUs "
+        "and the engine's device is not 'cpu'."
+    )
+    worker_num_cpus: float = Field(
+        1.0, gt=0.0, description="CPUs a Worker replica (each rank on GPU) reserves from Ray."
+    )
+    router_num_cpus: float = Field(0.5, ge=0.0, description="CPUs a Router replica reserves.")
+    worker_max_ongoing_requests: int = Field(
+        1024, ge=1, description="Serve's cap on concurrent handle calls per Worker (batches and "
+        "control calls); admission control is the Router's max_waiting_requests."
+    )
+    prefix_chunk_tokens: int = Field(
+        32, ge=1, description="Granularity of the prompt-prefix hashes used for prefix affinity."
+    )
+    prefix_min_match_tokens: int = Field(
+        64, ge=0, description="Shortest shared prefix (tokens, summed over a batch) for which a "
+        "batch is routed to the replica that has it cached."
+    )
+    imbalance_threshold: int = Field(
+        16, ge=0, description="Prefix affinity is overridden when the affine replica's load "
+        "(requests running, waiting or in flight) exceeds the least loaded one's by more."
+    )
+    routing_stats_period_s: float = Field(
+        1.0, gt=0.0, description="How often Serve collects each Worker's load for routing."
+    )
+    health_check_period_s: float = Field(
+        5.0, gt=0.0, description="How often Serve checks that a Worker's engine is alive."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nest_engine_keys(cls, data: Any) -> Any:
+        """Move flat engine keys (model=..., dtype=...) under ``engine``."""
+        if not isinstance(data, dict):
+            return data
+        flat = {k: v for k, v in data.items() if k in _ENGINE_KEYS}
+        engine = data.get("engine")
+        if not flat and not isinstance(engine, dict):
+            return data
+        rest = {k: v for k, v in data.items() if k not in _ENGINE_KEYS}
+        rest["engine"] = EngineConfig.from_kwargs(**{**_flat_engine(engine), **flat})
+        return rest
+
+    def use_gpu(self) -> bool:
+        """Whether Worker replicas ask for GPUs (resolves ``accelerator='auto'``)."""
+        if self.accelerator != "auto":
+            return self.accelerator == "gpu"
+        if self.engine.device.device == "cpu":
+            return False
+        if self.engine.device.device == "cuda":
+            return True
+        return _cluster_has_gpus()
+
+    def worker_threads(self) -> int:
+        """torch intra-op threads for a Worker on the CPU."""
+        if self.engine.device.num_threads is not None:
+            return self.engine.device.num_threads
+        return max(1, int(self.worker_num_cpus))
+
+
+def _flat_engine(engine: Any) -> dict[str, Any]:
+    """Engine settings in flat form, from None, an EngineConfig, or a nested or flat dict."""
+    if engine is None:
+        return {}
+    if isinstance(engine, EngineConfig):
+        return engine.flat()
+    nested = all(k in EngineConfig.model_fields and isinstance(v, dict) for k, v in engine.items())
+    return EngineConfig(**engine).flat() if nested and engine else dict(engine)
+
+
+def _cluster_has_gpus() -> bool:
+    import ray
+
+    if ray.is_initialized():
+        return ray.cluster_resources().get("GPU", 0) > 0
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False

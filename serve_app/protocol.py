@@ -1,0 +1,182 @@
+"""OpenAI request bodies (completions and chat) and their mapping to ``SamplingParams``.
+
+Validation is strict (``"5"`` is not a number) and parses the raw body once with
+``model_validate_json``, so malformed JSON, wrong types and out-of-range values all become a 400
+naming the field. Unknown fields are ignored, as OpenAI-compatible servers do; known OpenAI
+features this server does not implement are rejected explicitly rather than silently dropped.
+Responses are plain dicts built in ``serve_app/responses.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from engine.sampling_params import SamplingParams
+from serve_app.errors import APIError, from_validation_error
+
+MAX_LOGPROBS = 20
+MAX_N = 16
+
+TokenIds = list[Annotated[int, Field(ge=0)]]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = Field(False, description="Send a final chunk with token usage.")
+
+
+class _Sampling(_Strict):
+    """Fields shared by completions and chat."""
+
+    model: str | None = Field(None, description="Served model name; the only model if omitted.")
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, description="-1 turns it off.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=MAX_N)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: TokenIds | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> _Sampling:
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if len(self.stop_list()) > 16:
+            raise ValueError("stop accepts at most 16 strings")
+        if not all(self.stop_list()):
+            raise ValueError("stop strings must not be empty")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | TokenIds | list[TokenIds] = Field(
+        description="A string, a list of strings, token ids, or a list of token-id lists."
+    )
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _check_prompt(self) -> CompletionRequest:
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt must not be empty")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo together with logprobs is not supported (no prompt logprobs)")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per engine request: a string or a token-id list."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="Deprecated alias of "
+                                   "max_completion_tokens.")
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionRequest:
+        if self.tools:
+            raise ValueError("tools are not supported")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise ValueError("response_format other than 'text' is not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        return self
+
+    def completion_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+def parse_request(cls: type[_Sampling], body: bytes) -> Any:
+    """Validate a raw JSON body; any problem is a 400 naming the field."""
+    try:
+        return cls.model_validate_json(body)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
+                    num_logprobs: int | None) -> SamplingParams:
+    """Engine parameters for one prompt: delta token ids only; stop strings stay in the Router."""
+    try:
+        params = SamplingParams(
+            n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+            min_p=req.min_p, seed=req.seed, max_tokens=max_tokens,
+            min_tokens=req.min_tokens, stop_token_ids=req.stop_token_ids or [],
+            ignore_eos=req.ignore_eos, logprobs=num_logprobs,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty, skip_special_tokens=req.skip_special_tokens,
+            detokenize=False, output_kind="delta",
+        )
+    except ValueError as exc:
+        message = str(exc)
+        raise APIError(400, message, param=message.split(" ", 1)[0]) from None
+    return params

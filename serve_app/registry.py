@@ -1,0 +1,28 @@
+"""Live Worker request routers in this process, by deployment name.
+
+Serve pickles a custom request router's module *by value*, so state the Router must share with
+its handle's ``WorkerRequestRouter`` lives here, in a module pickled by reference. The Router
+reads the running Worker replica ids from it to aggregate stats and check health.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+_LIVE: dict[str, Any] = {}
+_LOCK = threading.Lock()
+
+
+def register(deployment: str, router: Any) -> None:
+    with _LOCK:
+        _LIVE[deployment] = router
+
+
+def known_replicas(deployment: str = "Worker") -> list[str]:
+    """Unique ids of the running replicas this process's handle routes to (may be empty)."""
+    with _LOCK:
+        router = _LIVE.get(deployment)
+    if router is None:
+        return []
+    return [rid.unique_id for rid in list(router.curr_replicas)]

@@ -1,0 +1,151 @@
+"""``WorkerRequestRouter``: Serve request router for the Worker deployment (Ray 2.60 API).
+
+It runs inside each Router replica's deployment handle and picks a Worker replica per handle
+call:
+
+* **Control calls** (``abort``, ``get_stats``, ``model_info``) that pass ``target_replica=<id>``
+  go to that replica and nowhere else: an abort must reach the engine that holds the request.
+* **Batches** (``generate_batch(requests=..., prefix_hashes=...)``) go to the least loaded
+  replica, unless one replica already holds a long prefix of the batch's prompts in its cache
+  (*prefix affinity*) and is not much busier (``imbalance_threshold``).
+
+Load of a replica = its last reported running + waiting requests (``record_routing_stats``,
+every ``routing_stats_period_s``) plus the requests this handle sent it since that report.
+Ties go to the replica with more free KV blocks. Prefix ownership is what this handle has
+sent where: chained hashes of ``prefix_chunk_tokens``-token prompt chunks, kept in an LRU.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from serve_app import registry
+
+_MAX_PREFIX_ENTRIES = 200_000
+
+
+class WorkerRequestRouter(RequestRouter):
+    """Least loaded by reported queue depth and free KV blocks, with prefix affinity."""
+
+    def initialize_state(self, prefix_chunk_tokens: int = 32, prefix_min_match_tokens: int = 64,
+                         imbalance_threshold: int = 16, **_: Any) -> None:
+        self._chunk = prefix_chunk_tokens
+        self._min_match = prefix_min_match_tokens
+        self._imbalance = imbalance_threshold
+        self._owners: OrderedDict[int, set[str]] = OrderedDict()  # prefix hash -> replica ids
+        self._in_flight: dict[str, tuple[str, int, float]] = {}  # call id -> (replica, n, sent)
+        registry.register(self._deployment_id.name, self)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None,
+                              ) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True  # back off when all are full
+        if not candidate_replicas:
+            return []
+        kwargs = pending_request.kwargs if pending_request is not None else {}
+        target = kwargs.get("target_replica")
+        if target is not None:
+            return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
+        ranked = sorted(candidate_replicas, key=self._load_key)
+        best = self._affine_replica(ranked, kwargs.get("prefix_hashes"))
+        if best is not None:
+            ranked.remove(best)
+            ranked.insert(0, best)
+        return [[r] for r in ranked]
+
+    # ---- load ------------------------------------------------------------------------------
+
+    def load(self, replica: RunningReplica) -> int:
+        """Reported running + waiting, plus what was sent since that report."""
+        stats = replica.routing_stats or {}
+        since = stats.get("ts", 0.0)
+        rid = replica.replica_id.unique_id
+        sent = sum(n for r, n, t in self._in_flight.values() if r == rid and t >= since)
+        return int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0)) + sent
+
+    def _load_key(self, replica: RunningReplica) -> tuple[int, float]:
+        stats = replica.routing_stats or {}
+        total = stats.get("num_total_blocks") or 1
+        return self.load(replica), -stats.get("num_free_blocks", total) / total
+
+    # ---- prefix affinity -------------------------------------------------------------------
+
+    def _affine_replica(self, ranked: list[RunningReplica],
+                        prefix_hashes: list[list[int]] | None) -> RunningReplica | None:
+        if not prefix_hashes or len(ranked) < 2:
+            return None
+        by_id = {r.replica_id.unique_id: r for r in ranked}
+        matched: dict[str, int] = {}
+        for hashes in prefix_hashes:
+            for rid, depth in self._match(hashes).items():
+                matched[rid] = matched.get(rid, 0) + depth * self._chunk
+        candidates = [(tokens, rid) for rid, tokens in matched.items() if rid in by_id]
+        if not candidates:
+            return None
+        tokens, rid = max(candidates)
+        if tokens < max(self._min_match, 1):
+            return None
+        best = by_id[rid]
+        if self.load(best) > self.load(ranked[0]) + self._imbalance:
+            return None  # much busier than the least loaded replica
+        return best
+
+    def _match(self, hashes: list[int]) -> dict[str, int]:
+        """Per replica, how many leading chunks of this prompt it has been sent."""
+        depth: dict[str, int] = {}
+        alive: set[str] | None = None
+        for i, h in enumerate(hashes):
+            owners = self._owners.get(h)
+            if not owners:
+                break
+            alive = set(owners) if alive is None else alive & owners
+            if not alive:
+                break
+            for rid in alive:
+                depth[rid] = i + 1
+        return depth
+
+    def _remember(self, hashes_per_request: list[list[int]], rid: str) -> None:
+        owners = self._owners
+        for hashes in hashes_per_request:
+            for h in hashes:
+                entry = owners.get(h)
+                if entry is None:
+                    owners[h] = {rid}
+                else:
+                    entry.add(rid)
+                    owners.move_to_end(h)
+        while len(owners) > _MAX_PREFIX_ENTRIES:
+            owners.popitem(last=False)
+
+    # ---- lifecycle hooks -------------------------------------------------------------------
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
+                          result: Any) -> None:
+        kwargs = pending_request.kwargs
+        if "requests" not in kwargs:
+            return  # a control call
+        rid = replica_id.unique_id
+        call_id = pending_request.metadata.internal_request_id
+        self._in_flight[call_id] = (rid, len(kwargs["requests"]), time.time())
+        if kwargs.get("prefix_hashes"):
+            self._remember(kwargs["prefix_hashes"], rid)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._in_flight.pop(internal_request_id, None)
+
+
+def prefix_hashes(token_ids: list[int], chunk: int) -> list[int]:
+    """Chained hashes of the prompt's full ``chunk``-token chunks, last token excluded."""
+    out: list[int] = []
+    h = 0
+    usable = (len(token_ids) - 1) // chunk * chunk
+    for start in range(0, usable, chunk):
+        h = hash((h, tuple(token_ids[start : start + chunk])))
+        out.append(h)
+    return out

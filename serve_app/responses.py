@@ -1,0 +1,174 @@
+"""OpenAI response bodies: completion and chat, streamed chunks and final JSON.
+
+A formatter turns ``Delta`` lists from ``ResponseStream`` into chunk dicts (streaming) or
+collects them into the final response. Plain dicts: no per-token pydantic objects.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Any
+
+from serve_app.streams import Delta, LogprobEntry, Usage
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+SSE_DONE = sse("[DONE]")
+
+
+class _Format:
+    object_chunk = ""
+    object_final = ""
+
+    def __init__(self, response_id: str, model: str, tokenizer: Any, num_choices: int) -> None:
+        self.id = response_id
+        self.model = model
+        self.created = int(time.time())
+        self._tokenizer = tokenizer
+        self._token_text: dict[int, str] = {}
+        self._texts = [""] * num_choices
+        self._finish: list[str | None] = [None] * num_choices
+        self._logprobs: list[list[LogprobEntry]] = [[] for _ in range(num_choices)]
+
+    def _envelope(self, obj: str, choices: list[dict], usage: Usage | None = None) -> dict:
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+        if usage is not None:
+            body["usage"] = usage.as_dict()
+        return body
+
+    def usage_chunk(self, usage: Usage) -> dict:
+        return self._envelope(self.object_chunk, [], usage)
+
+    def collect(self, deltas: list[Delta]) -> None:
+        for d in deltas:
+            self._texts[d.index] += d.text
+            if d.finish_reason is not None:
+                self._finish[d.index] = d.finish_reason
+            if d.logprobs:
+                self._logprobs[d.index].extend(d.logprobs)
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._tokenizer.decode([token_id])
+            self._token_text[token_id] = text
+        return text
+
+
+class CompletionFormat(_Format):
+    object_chunk = object_final = "text_completion"
+
+    def __init__(self, *args: Any, echo_texts: list[str] | None = None,
+                 want_logprobs: bool = False, n: int = 1) -> None:
+        super().__init__(*args)
+        self._want_logprobs = want_logprobs
+        self._echo = echo_texts  # per prompt, prepended once to each of its choices
+        self._echoed: set[int] = set()
+        self._n = n
+        self._offsets = [0] * len(self._texts)  # text_offset of the next streamed token
+
+    def _echo_for(self, index: int) -> str:
+        if self._echo is None or index in self._echoed:
+            return ""
+        self._echoed.add(index)
+        return self._echo[index // self._n]
+
+    def chunk(self, deltas: list[Delta]) -> dict:
+        choices = []
+        for d in deltas:
+            text = self._echo_for(d.index) + d.text
+            logprobs = self._logprobs_obj(d.logprobs, self._offsets[d.index])
+            self._offsets[d.index] += len(text)
+            choices.append({"index": d.index, "text": text, "logprobs": logprobs,
+                            "finish_reason": d.finish_reason})
+        return self._envelope(self.object_chunk, choices)
+
+    def collect(self, deltas: list[Delta]) -> None:
+        for d in deltas:
+            d.text = self._echo_for(d.index) + d.text
+        super().collect(deltas)
+
+    def stream_chunks(self, deltas: list[Delta]) -> list[dict]:
+        kept = [d for d in deltas if d.text or d.finish_reason or d.logprobs
+                or (self._echo is not None and d.index not in self._echoed)]
+        return [self.chunk(kept)] if kept else []
+
+    def final(self, usage: Usage) -> dict:
+        choices = [{"index": i, "text": self._texts[i],
+                    "logprobs": self._logprobs_obj(self._logprobs[i], 0),
+                    "finish_reason": self._finish[i]} for i in range(len(self._texts))]
+        return self._envelope(self.object_final, choices, usage)
+
+    def _logprobs_obj(self, entries: list[LogprobEntry] | None, offset: int) -> dict | None:
+        if not self._want_logprobs:
+            return None
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for tok, lp, top in entries or ():
+            text = self.token_text(tok)
+            tokens.append(text)
+            token_lps.append(_finite(lp))
+            tops.append({self.token_text(t): _finite(v) for t, v in top.items()})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+                "text_offset": offsets}
+
+
+class ChatFormat(_Format):
+    object_chunk = "chat.completion.chunk"
+    object_final = "chat.completion"
+
+    def __init__(self, *args: Any, want_logprobs: bool = False) -> None:
+        super().__init__(*args)
+        self._want_logprobs = want_logprobs
+
+    def role_chunk(self, num_choices: int) -> dict:
+        choices = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None} for i in range(num_choices)]
+        return self._envelope(self.object_chunk, choices)
+
+    def chunk(self, deltas: list[Delta]) -> dict:
+        """Content deltas; finish reasons go in a separate last chunk (``finish_chunk``)."""
+        choices = [{"index": d.index, "delta": {"content": d.text},
+                    "logprobs": self._logprobs_obj(d.logprobs), "finish_reason": None}
+                   for d in deltas if d.text or d.logprobs]
+        return self._envelope(self.object_chunk, choices)
+
+    def finish_chunk(self, deltas: list[Delta]) -> dict:
+        choices = [{"index": d.index, "delta": {}, "logprobs": None,
+                    "finish_reason": d.finish_reason} for d in deltas if d.finish_reason]
+        return self._envelope(self.object_chunk, choices)
+
+    def stream_chunks(self, deltas: list[Delta]) -> list[dict]:
+        out = [self.chunk(deltas), self.finish_chunk(deltas)]
+        return [c for c in out if c["choices"]]
+
+    def final(self, usage: Usage) -> dict:
+        choices = [{"index": i, "message": {"role": "assistant", "content": self._texts[i]},
+                    "logprobs": self._logprobs_obj(self._logprobs[i]),
+                    "finish_reason": self._finish[i]} for i in range(len(self._texts))]
+        return self._envelope(self.object_final, choices, usage)
+
+    def _logprobs_obj(self, entries: list[LogprobEntry] | None) -> dict | None:
+        if not self._want_logprobs:
+            return None
+        content = []
+        for tok, lp, top in entries or ():
+            content.append({**self._token(tok, lp), "top_logprobs": [
+                self._token(t, v) for t, v in top.items()]})
+        return {"content": content}
+
+    def _token(self, tok: int, lp: float) -> dict:
+        text = self.token_text(tok)
+        return {"token": text, "logprob": _finite(lp), "bytes": list(text.encode("utf-8"))}
+
+
+def _finite(x: float) -> float:
+    """JSON has no -inf: clamp like vLLM does."""
+    return x if math.isfinite(x) else -9999.0

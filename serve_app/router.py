@@ -1,0 +1,237 @@
+"""Router deployment: the OpenAI HTTP front end and the dynamic batcher.
+
+Per request: authorize, read the body (413 over ``max_request_body_bytes``), validate (400),
+check the model name (404), tokenize and check the length (400), admit (429 over
+``max_waiting_requests``), then queue one ``EngineRequest`` per prompt in the batcher and stream
+the Worker's tokens back as SSE or collect them into the final JSON. Leaving early (client gone,
+stop string) aborts the request at the Worker replica that holds it.
+
+No ``from __future__ import annotations``: FastAPI must see ``Request`` as a class through
+``serve.ingress``'s method wrappers.
+"""
+
+import asyncio
+import hmac
+import logging
+import math
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from serve_app.batcher import DynamicBatcher, EngineRequest
+from serve_app.config import AppConfig
+from serve_app.errors import APIError, install_handlers
+from serve_app.prompts import PromptProcessor
+from serve_app.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from serve_app.responses import SSE_DONE, ChatFormat, CompletionFormat, sse
+from serve_app.streams import ResponseStream
+from serve_app.worker_client import WorkerClient
+
+logger = logging.getLogger("ray.serve")
+
+REPLICA_HEADER = "x-pagedserve-replica"
+
+api = FastAPI(title="pagedserve", description="OpenAI-compatible LLM serving on Ray Serve.")
+install_handlers(api)
+
+
+# Module-level helpers go above the class: serve.ingress snapshots the module's globals when it
+# wraps the class, so names defined below it are invisible to the routes.
+def _response_id(prefix: str, request: Request) -> str:
+    return f"{prefix}-{request.headers.get('x-request-id') or time.time_ns()}"
+
+
+@serve.deployment(name="Router")
+@serve.ingress(api)
+class Router:
+    def __init__(self, worker: DeploymentHandle, config: AppConfig) -> None:
+        self.cfg = config
+        self.workers = WorkerClient(worker)
+        self.batcher = DynamicBatcher(self.workers.run_batch, config.max_batch_size,
+                                      config.batch_wait_ms / 1000.0)
+        self.prompts: PromptProcessor | None = None
+        self._active: set[EngineRequest] = set()
+        self._counters = {"requests_total": 0, "rejected_429_total": 0}
+        self._ttft_ewma_s = 0.0
+        self._health: tuple[float, bool] = (0.0, False)
+        self._init_task = asyncio.get_running_loop().create_task(self._load_model_info())
+
+    async def _load_model_info(self) -> None:
+        """Fetch the tokenizer and limits from a Worker, retrying until one is up."""
+        while True:
+            try:
+                info = await asyncio.wait_for(self.workers.model_info(), timeout=10.0)
+                name = self.cfg.served_model_name or info["model_name"]
+                self.prompts = PromptProcessor(info, name, self.cfg.prefix_chunk_tokens)
+                return
+            except Exception as exc:  # no Worker yet, or it is still loading its model
+                logger.info("waiting for a Worker to report its model: %r", exc)
+                await asyncio.sleep(1.0)
+
+    # ---- routes ----------------------------------------------------------------------------
+
+    @api.get("/health")
+    async def health(self) -> JSONResponse:
+        if not await self._healthy():
+            raise APIError(503, "no Worker has its model loaded")
+        return JSONResponse({"status": "ok"})
+
+    @api.get("/v1/models")
+    async def models(self, request: Request) -> JSONResponse:
+        self._authorize(request)
+        p = self._ready()
+        card = {"id": p.model_name, "object": "model", "created": 0, "owned_by": "pagedserve",
+                "max_model_len": p.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @api.get("/v1/stats")
+    async def stats(self, request: Request) -> JSONResponse:
+        """Router counters and every Worker replica's engine stats (with their sum)."""
+        self._authorize(request)
+        workers = await self.workers.stats()
+        totals: dict[str, float] = {}
+        for w in workers:
+            for k, v in w.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    totals[k] = totals.get(k, 0) + v
+        router = {**self._counters, "num_waiting": self._num_waiting(),
+                  "num_active": len(self._active),
+                  "batch_sizes": {str(k): v for k, v in sorted(self.batcher.batch_sizes.items())}}
+        return JSONResponse({"router": router, "workers": workers, "total": totals})
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Any:
+        self._authorize(request)
+        req: CompletionRequest = parse_request(CompletionRequest, await self._body(request))
+        p = self._ready()
+        p.check_model(req.model)
+        prompts = [p.encode_completion(x) for x in req.prompts()]
+        params = [p.params(req, ids, req.max_tokens, req.logprobs) for ids in prompts]
+        fmt = CompletionFormat(_response_id("cmpl", request), p.model_name, p.tokenizer,
+                               len(prompts) * req.n, n=req.n, want_logprobs=req.logprobs is not None,
+                               echo_texts=[p.decode(ids) for ids in prompts] if req.echo else None)
+        return await self._run(req, prompts, params, fmt, req.logprobs)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Any:
+        self._authorize(request)
+        req: ChatCompletionRequest = parse_request(ChatCompletionRequest,
+                                                   await self._body(request))
+        p = self._ready()
+        p.check_model(req.model)
+        ids = p.encode_chat(req.chat_messages(), req.add_generation_prompt)
+        params = [p.params(req, ids, req.completion_limit(), req.num_logprobs())]
+        fmt = ChatFormat(_response_id("chatcmpl", request), p.model_name, p.tokenizer, req.n,
+                         want_logprobs=req.logprobs)
+        return await self._run(req, [ids], params, fmt, req.num_logprobs())
+
+    # ---- request flow ----------------------------------------------------------------------
+
+    async def _run(self, req: Any, prompts: list[list[int]], params: list, fmt: Any,
+                   num_logprobs: int | None) -> Any:
+        self._admit(len(prompts))
+        assert self.prompts is not None
+        events: asyncio.Queue = asyncio.Queue()
+        engine_reqs = [EngineRequest(ids, sp, self.prompts.prefix_hashes(ids), events=events)
+                       for ids, sp in zip(prompts, params, strict=True)]
+        for r in engine_reqs:
+            self._active.add(r)
+            self.batcher.submit(r)
+        stream = ResponseStream(engine_reqs, self.prompts.tokenizer, req.stop_list(),
+                                req.include_stop_str_in_output, req.skip_special_tokens,
+                                num_logprobs, self.workers.release)
+        try:
+            await engine_reqs[0].routed.wait()
+            headers = {REPLICA_HEADER: engine_reqs[0].replica or ""}
+            if req.stream:
+                body = self._sse(req, stream, fmt, engine_reqs)
+                return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+        except BaseException:
+            self._finish(engine_reqs)
+            raise
+        try:
+            async for deltas in stream.deltas():
+                fmt.collect(deltas)
+            return JSONResponse(fmt.final(stream.usage), headers=headers)
+        finally:
+            self._finish(engine_reqs)
+
+    async def _sse(self, req: Any, stream: ResponseStream, fmt: Any,
+                   engine_reqs: list[EngineRequest]) -> Any:
+        try:
+            if isinstance(fmt, ChatFormat):
+                yield sse(fmt.role_chunk(len(engine_reqs) * req.n))
+            async for deltas in stream.deltas():
+                for chunk in fmt.stream_chunks(deltas):
+                    yield sse(chunk)
+            if req.include_usage:
+                yield sse(fmt.usage_chunk(stream.usage))
+            yield SSE_DONE
+        except APIError as exc:
+            yield sse(exc.body())
+            yield SSE_DONE
+        finally:
+            self._finish(engine_reqs)
+
+    def _finish(self, engine_reqs: list[EngineRequest]) -> None:
+        for r in engine_reqs:
+            if r in self._active:
+                self._active.discard(r)
+                if r.first_output_at is not None:
+                    ttft = r.first_output_at - r.submitted_at
+                    self._ttft_ewma_s = 0.9 * self._ttft_ewma_s + 0.1 * ttft
+                self.batcher.discard(r)
+                self.workers.release(r)
+
+    # ---- checks ----------------------------------------------------------------------------
+
+    def _authorize(self, request: Request) -> None:
+        key = self.cfg.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        token = given[7:] if given[:7].lower() == "bearer " else ""
+        if not hmac.compare_digest(token.encode(), key.get_secret_value().encode()):
+            raise APIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
+                           code="invalid_api_key")
+
+    async def _body(self, request: Request) -> bytes:
+        limit = self.cfg.max_request_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"request body of {declared} bytes is over the limit of {limit}")
+        body = await request.body()
+        if len(body) > limit:
+            raise APIError(413, f"request body of {len(body)} bytes is over the limit of {limit}")
+        return body
+
+    def _ready(self) -> PromptProcessor:
+        if self.prompts is None:
+            raise APIError(503, "no Worker has loaded the model yet; retry shortly",
+                           headers={"Retry-After": "1"})
+        if not self.workers.replicas():
+            raise APIError(503, "no healthy Worker replica", headers={"Retry-After": "1"})
+        return self.prompts
+
+    async def _healthy(self) -> bool:
+        checked_at, ok = self._health
+        if time.monotonic() - checked_at < 1.0:
+            return ok
+        ok = self.prompts is not None and bool(await self.workers.stats(timeout_s=2.0))
+        self._health = (time.monotonic(), ok)
+        return ok
+
+    def _num_waiting(self) -> int:
+        return sum(1 for r in self._active if r.first_output_at is None and not r.finished)
+
+    def _admit(self, num_prompts: int) -> None:
+        self._counters["requests_total"] += 1
+        if self._num_waiting() + num_prompts > self.cfg.max_waiting_requests:
+            self._counters["rejected_429_total"] += 1
+            retry = max(1, math.ceil(self._ttft_ewma_s))
+            raise APIError(429, f"the server is busy ({self._num_waiting()} requests waiting); "
+                           f"retry after {retry}s", headers={"Retry-After": str(retry)})

@@ -1,0 +1,145 @@
+"""Per-HTTP-request decoding: Worker token events -> text deltas per choice.
+
+One ``ResponseStream`` reads the shared event queue of an HTTP request's engine requests (one
+per prompt), detokenizes each choice incrementally with ``TextStream``, cuts at stop strings
+(asking the Router to abort the request at its Worker once every choice has stopped) and counts
+usage. Choice ``k`` of prompt ``p`` has index ``p * n + k``, as in OpenAI's API.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from engine.detokenizer import TextStream
+from serve_app.batcher import EngineRequest
+from serve_app.errors import APIError
+
+# (token id, its logprob, top logprobs {token id: logprob}) per generated token
+LogprobEntry = tuple[int, float, dict[int, float]]
+
+
+@dataclass
+class Delta:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: list[LogprobEntry] | None = None
+
+
+@dataclass
+class _Choice:
+    index: int
+    text: TextStream
+    num_tokens: int = 0
+    finish_reason: str | None = None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def as_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+@dataclass
+class ResponseStream:
+    requests: list[EngineRequest]
+    tokenizer: object
+    stop: list[str]
+    include_stop_str_in_output: bool
+    skip_special_tokens: bool
+    num_logprobs: int | None
+    release: Callable[[EngineRequest], None]  # stop listening; aborts at the Worker if running
+    usage: Usage = field(default_factory=Usage)
+
+    def __post_init__(self) -> None:
+        self._choices: dict[tuple[int, int], _Choice] = {}
+        self._pos = {id(r): p for p, r in enumerate(self.requests)}
+        self.n = self.requests[0].params.n
+        for p, r in enumerate(self.requests):
+            for k in range(self.n):
+                ts = TextStream(self.tokenizer, r.prompt_token_ids, stop=self.stop,
+                                include_stop_str_in_output=self.include_stop_str_in_output,
+                                skip_special_tokens=self.skip_special_tokens)
+                self._choices[(p, k)] = _Choice(p * self.n + k, ts)
+
+    async def deltas(self) -> AsyncIterator[list[Delta]]:
+        """Deltas of everything that arrived together; ends when every request is done.
+
+        Raises ``APIError`` if a request failed at the Worker.
+        """
+        queue = self.requests[0].events
+        pending = len(self.requests)
+        while pending:
+            out: list[Delta] = []
+            item = await queue.get()
+            while item is not None:
+                pending -= self._apply(*item, out)
+                item = queue.get_nowait() if not queue.empty() else None
+            if out:
+                yield out
+
+    def _apply(self, request: EngineRequest, event: tuple, out: list[Delta]) -> int:
+        p = self._pos[id(request)]
+        kind = event[0]
+        if kind == "t":
+            delta = self._tokens(p, *event[1:])
+            if delta is not None:
+                out.append(delta)
+            if self._all_stopped(p):
+                self.release(request)
+            return 0
+        if kind == "done":
+            self.usage.prompt_tokens += event[1]
+            self.usage.cached_tokens += event[2]
+            out.extend(self._close_open_choices(p))
+            return 1
+        raise APIError(event[1], event[2])
+
+    def _tokens(self, p: int, index: int, token_ids: list[int], finish: str | None,
+                logprobs: list[dict[int, float]] | None) -> Delta | None:
+        choice = self._choices[(p, index)]
+        if choice.finish_reason is not None:
+            return None  # already stopped on a string; the abort is on its way
+        choice.num_tokens += len(token_ids)
+        self.usage.completion_tokens += len(token_ids)
+        text, stop_str = choice.text.add(token_ids)
+        if stop_str is not None:
+            choice.finish_reason = "stop"
+        elif finish is not None:
+            text += choice.text.finish()
+            choice.finish_reason = "length" if finish == "length" else "stop"
+        entries = _entries(token_ids, logprobs, self.num_logprobs)
+        return Delta(choice.index, text, list(token_ids), choice.finish_reason, entries)
+
+    def _all_stopped(self, p: int) -> bool:
+        return all(self._choices[(p, k)].finish_reason for k in range(self.n))
+
+    def _close_open_choices(self, p: int) -> list[Delta]:
+        """Choices the Worker finished without a finish reason on the last tokens."""
+        out = []
+        for k in range(self.n):
+            choice = self._choices[(p, k)]
+            if choice.finish_reason is None:
+                choice.finish_reason = "stop"
+                out.append(Delta(choice.index, choice.text.finish(), [], "stop"))
+        return out
+
+
+def _entries(token_ids: list[int], logprobs: list[dict[int, float]] | None,
+             num: int | None) -> list[LogprobEntry] | None:
+    if num is None or logprobs is None:
+        return None
+    out = []
+    for tok, lps in zip(token_ids, logprobs, strict=False):
+        top = dict(sorted(lps.items(), key=lambda kv: -kv[1])[:num]) if num else {}
+        out.append((tok, lps.get(tok, float("-inf")), top))
+    return out

@@ -1,0 +1,169 @@
+"""Worker deployment: one replica = one ``AsyncEngine`` (one model instance).
+
+It accepts batches of already-tokenized requests in one streaming handle call and streams back
+one compact message per engine step with every request's new token ids (and logprobs):
+
+    {"replica": "<replica id>"}                                 # first message of every batch
+    {"t": [[slot, index, token_ids, finish_reason, logprobs], ...],
+     "done": [[slot, num_prompt_tokens, num_cached_tokens], ...],
+     "err": [[slot, status, message], ...]}                      # keys present only when non-empty
+
+``slot`` is the request's position in the batch, ``index`` the sequence (of ``n``).
+Cancelling the call aborts every request of the batch that is still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+
+from serve_app.config import AppConfig
+
+logger = logging.getLogger("ray.serve")
+
+# One queued item from a per-request pump: ("t", [...]) | ("done", [...]) | ("err", [...]).
+_Item = tuple[str, list]
+
+
+class Worker:
+    """Owns an engine; batches in, per-step token messages out."""
+
+    def __init__(self, config: AppConfig) -> None:
+        import torch
+
+        from engine import AsyncEngine
+
+        if not config.use_gpu():
+            torch.set_num_threads(config.worker_threads())
+        engine_cfg = config.engine
+        if engine_cfg.device.num_threads is None and not config.use_gpu():
+            engine_cfg = engine_cfg.model_copy(deep=True)
+            engine_cfg.device.num_threads = config.worker_threads()
+        self.engine = AsyncEngine(engine_cfg)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self._pumps: dict[str, asyncio.Task] = {}  # request id -> task streaming it
+        self.requests_total = 0
+        self.batches_total = 0
+        self.batches_running = 0
+
+    # ---- data path -------------------------------------------------------------------------
+
+    async def generate_batch(self, requests: list[tuple], prefix_hashes: list | None = None,
+                             ) -> AsyncIterator[dict[str, Any]]:
+        """Run a batch; ``requests`` = [(request_id, prompt_token_ids, SamplingParams), ...].
+
+        ``prefix_hashes`` is read by the request router only.
+        """
+        del prefix_hashes
+        self.batches_total += 1
+        self.requests_total += len(requests)
+        self.batches_running += 1
+        queue: asyncio.Queue[_Item] = asyncio.Queue()
+        pumps = [asyncio.create_task(self._pump(slot, req, queue))
+                 for slot, req in enumerate(requests)]
+        for req, task in zip(requests, pumps, strict=True):
+            self._pumps[req[0]] = task
+        try:
+            yield {"replica": self.replica_id}
+            remaining = len(requests)
+            while remaining:
+                message, finished = _drain(await queue.get(), queue)
+                remaining -= finished
+                yield message
+        finally:
+            self.batches_running -= 1
+            for req, task in zip(requests, pumps, strict=True):
+                self._pumps.pop(req[0], None)
+                task.cancel()  # closing a generate() stream aborts its request
+
+    async def _pump(self, slot: int, req: tuple, queue: asyncio.Queue[_Item]) -> None:
+        request_id, prompt_token_ids, params = req
+        put = queue.put_nowait
+        cached = 0
+        try:
+            async for out in self.engine.generate(request_id, prompt_token_ids, params):
+                cached = out.num_cached_tokens
+                for co in out.outputs:
+                    if co.token_ids or co.finish_reason:
+                        put(("t", [slot, co.index, co.token_ids, co.finish_reason, co.logprobs]))
+        except asyncio.CancelledError:  # aborted (control call) or the batch call was cancelled
+            put(("done", [slot, len(prompt_token_ids), cached]))
+            raise
+        except ValueError as exc:
+            put(("err", [slot, 400, str(exc)]))
+            return
+        except Exception as exc:  # the engine failed: report it for this request, keep serving
+            logger.exception("request %s failed", request_id)
+            put(("err", [slot, 500, f"engine error: {type(exc).__name__}: {exc}"]))
+            return
+        put(("done", [slot, len(prompt_token_ids), cached]))
+
+    # ---- control calls (routed to the named replica by WorkerRequestRouter) ----------------
+
+    async def abort(self, request_ids: list[str], target_replica: str | None = None) -> int:
+        """Abort requests of this replica; returns how many were still running here."""
+        found = 0
+        for request_id in request_ids:
+            task = self._pumps.pop(request_id, None)
+            if task is not None:
+                found += 1
+                task.cancel()  # ends its generate() stream, which aborts it in the engine
+            self.engine.abort(request_id)
+        return found
+
+    async def model_info(self, target_replica: str | None = None) -> dict[str, Any]:
+        """What the Router needs: the tokenizer, names and limits."""
+        return {
+            "replica": self.replica_id,
+            "model_name": self.engine.model_name,
+            "max_model_len": self.engine.max_model_len,
+            "tokenizer": self.engine.tokenizer,
+        }
+
+    async def get_stats(self, target_replica: str | None = None) -> dict[str, Any]:
+        stats = dict(self.engine.get_stats())
+        stats.update(replica=self.replica_id, requests_total=self.requests_total,
+                     batches_total=self.batches_total, batches_running=self.batches_running)
+        return stats
+
+    # ---- hooks Serve calls -----------------------------------------------------------------
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Load for ``WorkerRequestRouter``: collected every ``routing_stats_period_s``."""
+        s = self.engine.get_stats()
+        return {"num_waiting": s["num_waiting"], "num_running": s["num_running"],
+                "num_free_blocks": s["num_free_blocks"], "num_total_blocks": s["num_total_blocks"],
+                "ts": time.time()}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """The real load: one handle call carries a whole batch, so Serve's count says little."""
+        s = self.engine.get_stats()
+        return {"num_waiting": float(s["num_waiting"]), "num_running": float(s["num_running"]),
+                "kv_cache_usage": float(s["kv_cache_usage"])}
+
+    def check_health(self) -> None:
+        if not getattr(self.engine, "is_running", True):
+            raise RuntimeError("the engine's step loop has stopped")
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+
+def _drain(first: _Item, queue: asyncio.Queue[_Item]) -> tuple[dict[str, list], int]:
+    """One message from everything queued now (one engine step); also count finished slots."""
+    message: dict[str, list] = {}
+    finished = 0
+    item: _Item | None = first
+    while item is not None:
+        kind, payload = item
+        message.setdefault(kind, []).append(payload)
+        finished += kind != "t"
+        item = queue.get_nowait() if not queue.empty() else None
+    return message, finished

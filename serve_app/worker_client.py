@@ -1,0 +1,106 @@
+"""The Router's side of the Worker deployment: batches, aborts, stats and health.
+
+Every call goes through the Worker deployment's handle, so replica choice is
+``WorkerRequestRouter``'s: batches to the least loaded (or prefix-affine) replica, control calls
+(``target_replica=``) to the replica they name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from ray.serve.handle import DeploymentHandle
+
+from serve_app.batcher import Batch, EngineRequest, fail_unfinished, fan_out
+from serve_app.registry import known_replicas
+
+logger = logging.getLogger("ray.serve")
+
+CONTROL_TIMEOUT_S = 10.0
+
+
+class WorkerClient:
+    def __init__(self, handle: DeploymentHandle, deployment: str = "Worker") -> None:
+        self._handle = handle
+        self._stream = handle.options(stream=True)
+        self._deployment = deployment
+        self._background: set[asyncio.Task] = set()
+
+    # ---- data path -------------------------------------------------------------------------
+
+    async def run_batch(self, batch: Batch) -> None:
+        """Send one batch in one streaming call and fan its messages out (the batcher's sink)."""
+        hashes = [r.prefix_hashes for r in batch.requests]
+        gen = self._stream.generate_batch.remote(
+            requests=[r.wire() for r in batch.requests],
+            prefix_hashes=hashes if any(hashes) else None,
+        )
+        try:
+            await fan_out(batch, gen, self._abort_released)
+            fail_unfinished(batch, 500, "the Worker ended the stream early")
+        except asyncio.CancelledError:
+            gen.cancel()  # every listener left: the Worker aborts what is still running
+            fail_unfinished(batch, 499, "cancelled")
+        except Exception as exc:
+            logger.warning("batch of %d failed: %s", len(batch.requests), exc)
+            fail_unfinished(batch, 503, f"Worker unavailable: {type(exc).__name__}")
+
+    def release(self, request: EngineRequest) -> None:
+        """The handler stops listening (done, stop string, or client gone): free the request."""
+        if request.released:
+            return
+        request.released = True
+        batch = request.batch
+        if request.finished or batch is None:
+            return
+        if batch.all_released() and batch.task is not None and not batch.task.done():
+            batch.task.cancel()
+        elif request.replica is not None:
+            self.abort(request.replica, [request.request_id])
+
+    def _abort_released(self, requests: list[EngineRequest]) -> None:
+        released = [r for r in requests if r.released and not r.finished]
+        if released and released[0].replica is not None:
+            self.abort(released[0].replica, [r.request_id for r in released])
+
+    def abort(self, replica: str, request_ids: list[str]) -> None:
+        """Abort at the replica that holds the requests (fire and forget, bounded)."""
+        call = self._handle.abort.remote(request_ids=request_ids, target_replica=replica)
+        self._spawn(_bounded(call, CONTROL_TIMEOUT_S))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ---- control -----------------------------------------------------------------------------
+
+    async def model_info(self) -> dict[str, Any]:
+        return await self._handle.model_info.remote()
+
+    def replicas(self) -> list[str]:
+        return known_replicas(self._deployment)
+
+    async def stats(self, timeout_s: float = 5.0) -> list[dict[str, Any]]:
+        """``get_stats()`` of every running Worker replica that answers in time."""
+        calls = [self._handle.get_stats.remote(target_replica=rid) for rid in self.replicas()]
+        results = await asyncio.gather(*(_bounded(c, timeout_s) for c in calls))
+        return [r for r in results if r is not None]
+
+
+async def _bounded(call: Any, timeout_s: float) -> Any:
+    """Await a handle call; on timeout or failure cancel it and return None."""
+    start = time.monotonic()
+    try:
+        return await asyncio.wait_for(_await(call), timeout_s)
+    except Exception as exc:
+        call.cancel()
+        logger.warning("Worker control call failed after %.1fs: %r", time.monotonic() - start, exc)
+        return None
+
+
+async def _await(call: Any) -> Any:
+    return await call
