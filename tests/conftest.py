@@ -1,0 +1,23 @@
+"""Shared test set-up: a private cache folder for the default model, small checkpoints."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+# Before anything imports the engine: the default model is built in a folder of this run's own,
+# and Ray (in tests/serve) keeps its traffic on the loopback interface.
+os.environ.setdefault("PAGEDSERVE_CACHE_DIR", tempfile.mkdtemp(prefix="pagedserve-test-cache-"))
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,152 @@
+"""AsyncEngine: streaming, abort on cancel freeing every block, per-request failures."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import LLM, AsyncEngine, SamplingParams
+from tests.checkpoints import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return str(make_checkpoint(tmp_path_factory.mktemp("llama")))
+
+
+@pytest.fixture(scope="module")
+def engine(ckpt):
+    eng = AsyncEngine(model=ckpt, dtype="float32", kv_cache_memory_bytes=4 << 20, block_size=8)
+    yield eng
+    eng.shutdown()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def collect(engine, rid, prompt, params):
+    outs = []
+    async for out in engine.generate(rid, prompt, params):
+        outs.append(out)
+    return outs
+
+
+def test_streams_deltas_that_add_up_to_the_offline_output(engine, ckpt):
+    prompts = [[0, 5, 6, 7], [0, *range(100, 140)], [0, 9]]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, output_kind="delta",
+                            detokenize=False)
+
+    async def main():
+        return await asyncio.gather(*[collect(engine, f"s{i}", p, params)
+                                      for i, p in enumerate(prompts)])
+
+    streams = run(main())
+    offline = LLM(ckpt, dtype="float32", kv_cache_memory_bytes=4 << 20, block_size=8).generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=12, temperature=0,
+                                                                   ignore_eos=True),
+        use_tqdm=False)
+    for outs, ref in zip(streams, offline):
+        assert len(outs) == 12  # one output per step, one new token each
+        assert [t for o in outs for t in o.outputs[0].token_ids] == ref.outputs[0].token_ids
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+        assert not any(o.finished for o in outs[:-1])
+
+
+def test_cumulative_text_stream(engine):
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    outs = run(collect(engine, "text", "Hello, my name is", params))
+    texts = [o.outputs[0].text for o in outs]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    assert len(outs[-1].outputs[0].token_ids) == 6
+
+
+def test_closing_the_stream_aborts_and_frees_every_block(engine):
+    total = engine.get_stats()["num_total_blocks"]
+
+    async def main():
+        gen = engine.generate("long", [0, *range(50, 90)],
+                              SamplingParams(max_tokens=400, ignore_eos=True))
+        await gen.__anext__()
+        await gen.__anext__()
+        busy = engine.get_stats()["num_free_blocks"]
+        await gen.aclose()
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if engine.get_stats()["num_free_blocks"] == total:
+                break
+        return busy
+
+    busy = run(main())
+    assert busy < total
+    stats = engine.get_stats()
+    assert stats["num_free_blocks"] == total
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+
+
+def test_cancelled_task_aborts(engine):
+    total = engine.get_stats()["num_total_blocks"]
+
+    async def main():
+        task = asyncio.create_task(collect(engine, "cancel-me", [0, 1, 2],
+                                           SamplingParams(max_tokens=500, ignore_eos=True)))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if engine.get_stats()["num_free_blocks"] == total:
+                return True
+        return False
+
+    assert run(main())
+
+
+def test_bad_input_fails_only_that_request(engine):
+    good = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+    async def main():
+        results = await asyncio.gather(
+            collect(engine, "ok", [0, 3, 4], good),
+            collect(engine, "empty", [], good),
+            collect(engine, "vocab", [0, 99999], good),
+            return_exceptions=True)
+        with pytest.raises(ValueError, match="already in use"):
+            async with asyncio.timeout(5):
+                first = engine.generate("dup", [0, 1], SamplingParams(max_tokens=50))
+                await first.__anext__()
+                await collect(engine, "dup", [0, 1], good)
+        await first.aclose()
+        return results
+
+    ok, empty, vocab = run(main())
+    assert len(ok[-1].outputs[0].token_ids) == 8
+    assert isinstance(empty, ValueError) and "empty" in str(empty)
+    assert isinstance(vocab, ValueError) and "token ids" in str(vocab)
+
+
+def test_an_error_while_processing_one_request_spares_the_others(engine, monkeypatch):
+    from engine.detokenizer import TextStream
+
+    original = TextStream.add
+
+    def flaky(self, token_ids):
+        if self.stop == ["BOOM"]:
+            raise RuntimeError("detokenizer exploded")
+        return original(self, token_ids)
+
+    monkeypatch.setattr(TextStream, "add", flaky)
+
+    async def main():
+        return await asyncio.gather(
+            collect(engine, "fine", "Hello", SamplingParams(max_tokens=8, ignore_eos=True)),
+            collect(engine, "boom", "Hello", SamplingParams(max_tokens=8, stop=["BOOM"])),
+            return_exceptions=True)
+
+    fine, boom = run(main())
+    assert isinstance(boom, RuntimeError) and "exploded" in str(boom)
+    assert len(fine[-1].outputs[0].token_ids) == 8
+    assert engine.is_running
+    assert engine.get_stats()["num_free_blocks"] == engine.get_stats()["num_total_blocks"]
