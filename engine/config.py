@@ -77,6 +77,9 @@ class DeviceConfig(_Strict):
     num_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads on the CPU; None uses every core."
     )
+    enforce_eager: bool = Field(
+        False, description="On CUDA, run decode steps eagerly instead of replaying CUDA graphs."
+    )
 
 
 class EngineConfig(_Strict):

@@ -35,6 +35,7 @@ class ModelRunner:
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_blocks = self._allocate_kv_cache()
         self.sampler = Sampler(config.model.seed, device)
+        self.graphs = self._capture_graphs() if self._use_graphs() else None
 
     # ----------------------------------------------------------------- start-up
     def _build_model(self, model_path: str, progress: bool) -> torch.nn.Module:
@@ -62,18 +63,39 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         self._profile_run()
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         activation_peak = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
         return int(total * cache.gpu_memory_utilization - (total - free) - activation_peak)
 
     def _profile_run(self) -> None:
-        """A forward over a full token budget, without a cache, to measure activation memory."""
+        """One forward over a full token budget, on a throw-away cache just big enough, to
+        measure the activation memory a step can take."""
         n = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
-        ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        with torch.inference_mode():
-            hidden = self.model.model.embed_tokens(ids)
+        num_blocks = -(-n // self.block_size)
+        self._bind_kv_cache(num_blocks)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(n, device=dev),
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=dev)[None],
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+            max_query_len=n, max_seq_len=n)
+        ids = torch.zeros(n, dtype=torch.long, device=dev)
+        with torch.inference_mode(), set_context(meta):
+            hidden = self.model(ids, torch.arange(n, device=dev))
             self.model.compute_logits(hidden[-self.config.scheduler.max_num_seqs :])
         del hidden
+        self.kv_cache = None
+
+    def _bind_kv_cache(self, num_blocks: int) -> None:
+        attn = self.attn_layers[0]
+        shape = (len(self.attn_layers), num_blocks, 2, self.block_size, attn.num_kv_heads,
+                 attn.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.attn_layers):
+            layer.k_cache = self.kv_cache[i, :, 0]
+            layer.v_cache = self.kv_cache[i, :, 1]
 
     def _allocate_kv_cache(self) -> int:
         per_block = self.kv_bytes_per_block()
@@ -85,14 +107,21 @@ class ModelRunner:
                 f"hold fewer than max_model_len={self.max_model_len} tokens; one sequence needs "
                 f"{needed_blocks * per_block} bytes (kv_cache_memory_bytes or "
                 "gpu_memory_utilization), or lower max_model_len")
-        attn = self.attn_layers[0]
-        shape = (len(self.attn_layers), num_blocks, 2, self.block_size, attn.num_kv_heads,
-                 attn.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        for i, layer in enumerate(self.attn_layers):
-            layer.k_cache = self.kv_cache[i, :, 0]
-            layer.v_cache = self.kv_cache[i, :, 1]
+        self._bind_kv_cache(num_blocks)
         return num_blocks
+
+    def _use_graphs(self) -> bool:
+        return self.device.type == "cuda" and not self.config.device.enforce_eager
+
+    def _capture_graphs(self):
+        from engine.cuda_graphs import DecodeGraphs
+
+        graphs = DecodeGraphs(self.model, self.hf.hidden_size,
+                              self.config.scheduler.max_num_seqs,
+                              -(-self.max_model_len // self.block_size), self.max_model_len,
+                              self.dtype, self.device)
+        graphs.capture()
+        return graphs
 
     # ----------------------------------------------------------------- one step
     def prepare(self, sched: SchedulerOutput):
@@ -133,8 +162,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:
         input_ids, positions, meta, sample_idx, sample_reqs = self.prepare(sched)
-        with set_context(meta):
-            hidden = self.model(input_ids, positions)
+        if self.graphs is not None and self.graphs.can_run(len(sched.scheduled), meta):
+            hidden = self.graphs.run(input_ids, positions, meta)
+        else:
+            with set_context(meta):
+                hidden = self.model(input_ids, positions)
         if not sample_reqs:
             return [], None
         logits = self.model.compute_logits(hidden[sample_idx])

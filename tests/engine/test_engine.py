@@ -245,3 +245,15 @@ def test_sharded_and_half_precision_checkpoints_load(tmp_path, reference):
     assert bf16.engine.runner.kv_cache.dtype.is_floating_point
     out = bf16.generate(as_inputs(PROMPTS[:2]), GREEDY, use_tqdm=False)
     assert all(len(t) == 24 for t in tokens(out))
+
+
+def test_memory_profiling_forward_runs_over_a_full_token_budget(ckpt):
+    # On CUDA this forward sizes the cache; here it checks its batch description is valid.
+    llm = LLM(ckpt, dtype="float32", kv_cache_memory_bytes=1 << 20, block_size=8,
+              max_num_batched_tokens=300)
+    runner = llm.engine.runner
+    runner._profile_run()
+    assert runner.kv_cache is None
+    runner._bind_kv_cache(runner.num_blocks)
+    out = llm.generate(as_inputs(PROMPTS[:1]), GREEDY, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 24
