@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import next_power_of_2, tl, triton
+from kernels._triton import cdiv, next_power_of_2, tl, triton
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -47,7 +47,7 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     if tokens == 0 or inter == 0:
         return out
     block = min(next_power_of_2(inter), 1024)
-    grid = (tokens, triton.cdiv(inter, block))
+    grid = (tokens, cdiv(inter, block))
     _silu_and_mul_kernel[grid](
         out, x, out.stride(0), x.stride(0), inter, BLOCK=block, num_warps=max(block // 256, 1)
     )

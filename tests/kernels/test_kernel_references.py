@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -135,3 +139,32 @@ def test_auto_backend_uses_references_on_cpu(monkeypatch):
     x = torch.randn(3, 8)
     assert torch.equal(ops.rms_norm(x, torch.ones(8), 1e-6), rms_norm_ref(x, torch.ones(8), 1e-6))
     assert torch.equal(ops.silu_and_mul(x), F.silu(x[:, :4]) * x[:, 4:])
+
+
+def test_ops_work_without_triton():
+    """CPU installs may lack Triton: kernels.ops must import and run the references."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch\n"
+        "from kernels import ops\n"
+        "from kernels._triton import HAS_TRITON\n"
+        "assert not HAS_TRITON\n"
+        "x = torch.randn(3, 8)\n"
+        "assert ops.rms_norm(x, torch.ones(8), 1e-6).shape == (3, 8)\n"
+        "with ops.backend('triton'):\n"
+        "    try:\n"
+        "        ops.silu_and_mul(x)\n"
+        "    except RuntimeError as e:\n"
+        "        assert 'not installed' in str(e), e\n"
+        "    else:\n"
+        "        raise AssertionError('expected RuntimeError')\n"
+        "assert 'triton' not in {m for m in sys.modules if sys.modules[m] is not None}\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", code], cwd=root, check=True, timeout=120)
+
+
+def test_importing_ops_does_not_import_triton():
+    code = "import sys\nimport kernels.ops\nassert 'triton' not in sys.modules, 'triton imported eagerly'\n"
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", code], cwd=root, check=True, timeout=120)
