@@ -9,6 +9,13 @@ import tempfile
 # and Ray (in tests/serve) keeps its traffic on the loopback interface.
 os.environ.setdefault("PAGEDSERVE_CACHE_DIR", tempfile.mkdtemp(prefix="pagedserve-test-cache-"))
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+try:  # Triton kernels run on CPU tensors only through its interpreter, set before its import.
+    import torch as _torch
+
+    if not _torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:
+    pass
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
