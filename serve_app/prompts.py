@@ -46,7 +46,7 @@ class PromptProcessor:
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
     def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def params(self, req: Any, prompt_ids: list[int], max_tokens: int | None,
                num_logprobs: int | None) -> SamplingParams:

@@ -109,11 +109,13 @@ class Router:
         req: CompletionRequest = parse_request(CompletionRequest, await self._body(request))
         p = self._ready()
         p.check_model(req.model)
-        prompts = [p.encode_completion(x) for x in req.prompts()]
+        raw = req.prompts()
+        prompts = [p.encode_completion(x) for x in raw]
         params = [p.params(req, ids, req.max_tokens, req.logprobs) for ids in prompts]
         fmt = CompletionFormat(_response_id("cmpl", request), p.model_name, p.tokenizer,
                                len(prompts) * req.n, n=req.n, want_logprobs=req.logprobs is not None,
-                               echo_texts=[p.decode(ids) for ids in prompts] if req.echo else None)
+                               echo_texts=[x if isinstance(x, str) else p.decode(x) for x in raw]
+                               if req.echo else None)
         return await self._run(req, prompts, params, fmt, req.logprobs)
 
     @api.post("/v1/chat/completions")

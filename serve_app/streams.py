@@ -34,6 +34,7 @@ class _Choice:
     text: TextStream
     num_tokens: int = 0
     finish_reason: str | None = None
+    stopped_on_string: bool = False  # the engine does not know: it keeps generating
 
 
 @dataclass
@@ -63,6 +64,8 @@ class ResponseStream:
     def __post_init__(self) -> None:
         self._choices: dict[tuple[int, int], _Choice] = {}
         self._pos = {id(r): p for p, r in enumerate(self.requests)}
+        self._stopped: set[int] = set()  # prompts whose choices all stopped on a string
+        self.usage.prompt_tokens = sum(len(r.prompt_token_ids) for r in self.requests)
         self.n = self.requests[0].params.n
         for p, r in enumerate(self.requests):
             for k in range(self.n):
@@ -85,20 +88,24 @@ class ResponseStream:
                 pending -= self._apply(*item, out)
                 item = queue.get_nowait() if not queue.empty() else None
             if out:
-                yield out
+                yield _merge(out)
 
     def _apply(self, request: EngineRequest, event: tuple, out: list[Delta]) -> int:
+        """Apply one event; return 1 when it ends its request for this stream, else 0."""
         p = self._pos[id(request)]
+        if p in self._stopped:
+            return 0  # stopped on a string already: late tokens, or the abort's echo
         kind = event[0]
         if kind == "t":
             delta = self._tokens(p, *event[1:])
             if delta is not None:
                 out.append(delta)
             if self._all_stopped(p):
-                self.release(request)
+                self._stopped.add(p)
+                self.release(request)  # every choice stopped on a string: abort at the Worker
+                return 1
             return 0
         if kind == "done":
-            self.usage.prompt_tokens += event[1]
             self.usage.cached_tokens += event[2]
             out.extend(self._close_open_choices(p))
             return 1
@@ -114,6 +121,7 @@ class ResponseStream:
         text, stop_str = choice.text.add(token_ids)
         if stop_str is not None:
             choice.finish_reason = "stop"
+            choice.stopped_on_string = finish is None
         elif finish is not None:
             text += choice.text.finish()
             choice.finish_reason = "length" if finish == "length" else "stop"
@@ -121,7 +129,10 @@ class ResponseStream:
         return Delta(choice.index, text, list(token_ids), choice.finish_reason, entries)
 
     def _all_stopped(self, p: int) -> bool:
-        return all(self._choices[(p, k)].finish_reason for k in range(self.n))
+        """Every choice is done here, and some only here (on a stop string)."""
+        choices = [self._choices[(p, k)] for k in range(self.n)]
+        return all(c.finish_reason for c in choices) and any(c.stopped_on_string
+                                                             for c in choices)
 
     def _close_open_choices(self, p: int) -> list[Delta]:
         """Choices the Worker finished without a finish reason on the last tokens."""
@@ -132,6 +143,22 @@ class ResponseStream:
                 choice.finish_reason = "stop"
                 out.append(Delta(choice.index, choice.text.finish(), [], "stop"))
         return out
+
+
+def _merge(deltas: list[Delta]) -> list[Delta]:
+    """One delta per choice: events drained together may hold several steps of one choice."""
+    by_index: dict[int, Delta] = {}
+    for d in deltas:
+        prev = by_index.get(d.index)
+        if prev is None:
+            by_index[d.index] = d
+            continue
+        prev.text += d.text
+        prev.token_ids += d.token_ids
+        prev.finish_reason = d.finish_reason or prev.finish_reason
+        if d.logprobs is not None:
+            prev.logprobs = (prev.logprobs or []) + d.logprobs
+    return list(by_index.values())
 
 
 def _entries(token_ids: list[int], logprobs: list[dict[int, float]] | None,

@@ -1,0 +1,297 @@
+"""The real app on a real local Ray cluster, over real HTTP (the official ``openai`` client too).
+
+One cluster for the module, three applications deployed together:
+``/`` two Workers; ``/guarded`` an API key, a waiting-queue bound of 2, a 4 KiB body limit;
+``/broken`` a Worker that cannot load its model (for 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import httpx
+import openai
+import pytest
+from ray import serve
+
+from serve_app import build_app
+
+from .cluster import local_ray, make_tiny_checkpoint, wait_until
+
+pytestmark = pytest.mark.timeout(300)
+
+MAX_MODEL_LEN = 256
+API_KEY = "test-key-123"
+PROMPTS = ["Hello, my name is", "The quick brown fox", "Paris is the capital of",
+           "Tokens are generated one at a time"]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="module")
+def url(model_path):
+    common = {"model": model_path, "dtype": "float32", "max_model_len": MAX_MODEL_LEN,
+              "kv_cache_memory_bytes": 8 << 20, "num_threads": 1, "accelerator": "cpu",
+              "router_num_cpus": 0.5, "routing_stats_period_s": 0.5}
+    main = build_app({**common, "num_workers": 2, "max_batch_size": 16, "batch_wait_ms": 5})
+    guarded = build_app({**common, "api_key": API_KEY, "max_waiting_requests": 2,
+                         "max_request_body_bytes": 4096, "max_batch_size": 1,
+                         "batch_wait_ms": 0})
+    broken = build_app({**common, "model": "/nonexistent/model", "worker_num_cpus": 0.5})
+    with local_ray() as base:
+        serve.run_many([serve.RunTarget(main, name="main", route_prefix="/"),
+                        serve.RunTarget(guarded, name="guarded", route_prefix="/guarded"),
+                        serve.RunTarget(broken, name="broken", route_prefix="/broken")],
+                       wait_for_applications_running=False)
+        for prefix in ("", "/guarded"):
+            wait_until(lambda p=prefix: httpx.get(f"{base}{p}/health").status_code == 200,
+                       180, f"{prefix or '/'} healthy")
+        yield base
+
+
+@pytest.fixture(scope="module")
+def offline(model_path):
+    from engine import LLM
+
+    return LLM(model=model_path, dtype="float32", max_model_len=MAX_MODEL_LEN,
+               kv_cache_memory_bytes=8 << 20, num_threads=1)
+
+
+def _client(url: str, prefix: str = "", key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}{prefix}/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def _error(resp: httpx.Response, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+def _stats(url: str) -> dict:
+    return httpx.get(f"{url}/v1/stats", timeout=30).json()
+
+
+# ---- availability (first: the broken app is deleted afterwards) ------------------------------
+
+def test_503_when_no_worker_is_healthy(url):
+    wait_until(lambda: httpx.get(f"{url}/broken/health").status_code == 503, 60, "broken router")
+    _error(httpx.get(f"{url}/broken/health"), 503)
+    resp = httpx.post(f"{url}/broken/v1/completions", json={"prompt": "hi"})
+    assert "Worker" in _error(resp, 503)["message"]
+    serve.delete("broken", _blocking=False)
+
+
+def test_health_models_and_request_ids(url, model_path):
+    assert httpx.get(f"{url}/health").status_code == 200
+    models = _client(url).models.list()
+    assert [m.id for m in models.data] == [model_path]
+    resp = httpx.post(f"{url}/v1/completions", headers={"X-Request-Id": "my-id-1"},
+                      json={"prompt": "hi", "max_tokens": 2})
+    assert resp.headers.get_list("x-request-id") == ["my-id-1"]
+    assert resp.json()["id"].endswith("my-id-1")
+    err = httpx.post(f"{url}/v1/completions", json={"prompt": 5})
+    assert len(err.headers.get_list("x-request-id")) == 1
+
+
+# ---- results equal the offline engine's ------------------------------------------------------
+
+def test_completions_match_offline_llm(url, model_path, offline):
+    from engine import SamplingParams
+
+    expected = offline.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12),
+                                use_tqdm=False)
+    client = _client(url)
+    batch = client.completions.create(model=model_path, prompt=PROMPTS, max_tokens=12,
+                                      temperature=0)
+    assert [c.text for c in sorted(batch.choices, key=lambda c: c.index)] == \
+        [e.outputs[0].text for e in expected]
+    assert batch.usage.prompt_tokens == sum(len(e.prompt_token_ids) for e in expected)
+    for prompt, exp in zip(PROMPTS, expected, strict=True):
+        chunks = list(client.completions.create(model=model_path, prompt=prompt, max_tokens=12,
+                                                temperature=0, stream=True))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == exp.outputs[0].text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == \
+            exp.outputs[0].finish_reason
+
+
+def test_chat_matches_offline_llm(url, model_path, offline):
+    from engine import SamplingParams
+
+    tok = offline.get_tokenizer()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    ids = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+              add_special_tokens=False).input_ids
+    (exp,) = offline.generate([ids], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
+    client = _client(url)
+    resp = client.chat.completions.create(model=model_path, messages=messages,
+                                          max_completion_tokens=10, temperature=0)
+    assert resp.choices[0].message.content == exp.outputs[0].text
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.usage.prompt_tokens == len(ids)
+    assert resp.usage.completion_tokens == len(exp.outputs[0].token_ids)
+    stream = list(client.chat.completions.create(
+        model=model_path, messages=messages, max_completion_tokens=10, temperature=0,
+        stream=True, stream_options={"include_usage": True}))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == \
+        exp.outputs[0].text
+    assert stream[-2].choices[0].finish_reason == exp.outputs[0].finish_reason
+    assert stream[-1].choices == [] and stream[-1].usage.completion_tokens == \
+        len(exp.outputs[0].token_ids)
+
+
+def test_chat_stream_wire_format(url):
+    body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 6,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    resp = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    events = [line[6:] for line in resp.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-2]["choices"][0]["delta"] == {}
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[1:-2])
+    assert chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_stop_strings_n_echo_and_logprobs(url, offline):
+    from engine import SamplingParams
+
+    (exp,) = offline.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=20,
+                                                           ignore_eos=True), use_tqdm=False)
+    text = exp.outputs[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    client = _client(url)
+    resp = client.completions.create(model=None, prompt=PROMPTS[0], max_tokens=20,
+                                     temperature=0, stop=[stop], extra_body={"ignore_eos": True})
+    assert resp.choices[0].text == text[: text.index(stop)]
+    assert resp.choices[0].finish_reason == "stop"
+    many = client.completions.create(model=None, prompt=PROMPTS[:2], max_tokens=4, n=3,
+                                     temperature=1.0, seed=7, echo=True)
+    assert sorted(c.index for c in many.choices) == list(range(6))
+    assert all(c.text.startswith(PROMPTS[c.index // 3]) for c in many.choices)
+    lp = client.completions.create(model=None, prompt=PROMPTS[1], max_tokens=5, logprobs=3,
+                                   extra_body={"ignore_eos": True})
+    assert len(lp.choices[0].logprobs.tokens) == 5
+    # keyed by token text: distinct ids that decode alike (byte pieces) share a key
+    assert all(1 <= len(top) <= 3 for top in lp.choices[0].logprobs.top_logprobs)
+    chat = client.chat.completions.create(model=None, max_tokens=4, logprobs=True,
+                                          top_logprobs=2, extra_body={"ignore_eos": True},
+                                          messages=[{"role": "user", "content": "x"}])
+    assert len(chat.choices[0].logprobs.content) == 4
+    assert all(len(t.top_logprobs) == 2 for t in chat.choices[0].logprobs.content)
+
+
+# ---- concurrency -----------------------------------------------------------------------------
+
+async def _stream_completion(client: httpx.AsyncClient, prefix: str, max_tokens: int,
+                             headers: dict | None = None) -> tuple[int, int, str | None]:
+    """(status, tokens counted from the streamed logprobs, replica) of one streaming request."""
+    body = {"prompt": random.choice(PROMPTS) * random.randint(1, 6), "max_tokens": max_tokens,
+            "ignore_eos": True, "logprobs": 0, "stream": True, "temperature": 0.8}
+    async with client.stream("POST", f"{prefix}/v1/completions", json=body,
+                             headers=headers) as resp:
+        if resp.status_code != 200:
+            await resp.aread()
+            return resp.status_code, 0, resp.headers.get("retry-after")
+        tokens = 0
+        async for line in resp.aiter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    tokens += len(choice["logprobs"]["tokens"])
+        return 200, tokens, resp.headers.get("x-pagedserve-replica")
+
+
+def test_64_concurrent_streams_on_two_workers(url):
+    lengths = [random.Random(i).randint(1, 24) for i in range(64)]
+
+    async def run():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            return await asyncio.gather(*(_stream_completion(client, "", n) for n in lengths))
+
+    results = asyncio.run(run())
+    assert [r[0] for r in results] == [200] * 64
+    assert [r[1] for r in results] == lengths
+    workers = _stats(url)["workers"]
+    assert len(workers) == 2
+    assert {r[2] for r in results} == {w["replica"] for w in workers}  # both served
+    assert all(w["requests_total"] > 0 for w in workers)
+
+
+def test_overload_gets_429_and_accepted_requests_complete(url):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            return await asyncio.gather(*(_stream_completion(client, "/guarded", 16, headers)
+                                          for _ in range(24)))
+
+    results = asyncio.run(run())
+    rejected = [r for r in results if r[0] == 429]
+    accepted = [r for r in results if r[0] == 200]
+    assert rejected and accepted and len(rejected) + len(accepted) == 24
+    assert all(r[2] is not None and int(r[2]) >= 1 for r in rejected)  # Retry-After
+    assert all(r[1] == 16 for r in accepted)
+
+
+def test_client_disconnect_frees_kv_blocks(url):
+    def idle(workers):
+        return all(w["num_free_blocks"] == w["num_total_blocks"] and w["num_running"] == 0
+                   for w in workers)
+
+    wait_until(lambda: idle(_stats(url)["workers"]), 30, "workers idle")
+    body = {"prompt": PROMPTS[0] * 8, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=url, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json=body) as resp:
+            lines = resp.iter_lines()
+            for _ in range(6):
+                next(lines)
+            assert not idle(_stats(url)["workers"])  # it holds blocks while streaming
+    wait_until(lambda: idle(_stats(url)["workers"]), 20, "KV blocks freed after disconnect")
+
+
+# ---- errors ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/v1/completions", b'{"prompt": "hi", ', 400, None),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": "7"}', 400, "max_tokens"),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": -1}', 400, "max_tokens"),
+    ("/v1/completions", b'{"prompt": "hi", "top_p": 0}', 400, "top_p"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "wizard", "content": "x"}]}', 400,
+     "messages.0.role"),
+    ("/v1/chat/completions", b'{"messages": []}', 400, "messages"),
+    ("/v1/completions", b'{"prompt": "hi", "model": "gpt-17"}', 404, "model"),
+])
+def test_invalid_requests(url, path, body, status, param):
+    resp = httpx.post(f"{url}{path}", content=body, headers={"content-type": "application/json"})
+    err = _error(resp, status)
+    assert err["param"] == param
+
+
+def test_prompt_over_max_model_len(url):
+    resp = httpx.post(f"{url}/v1/completions", json={"prompt": list(range(5, 305))})
+    message = _error(resp, 400)["message"]
+    assert str(MAX_MODEL_LEN) in message and "300" in message
+    resp = httpx.post(f"{url}/v1/completions", json={"prompt": [5] * 250, "max_tokens": 10})
+    assert "260" in _error(resp, 400)["message"]
+
+
+def test_auth_and_body_limit(url):
+    base = f"{url}/guarded"
+    assert httpx.get(f"{base}/health").status_code == 200  # health needs no key
+    assert _error(httpx.get(f"{base}/v1/models"), 401)["type"] == "authentication_error"
+    bad = {"Authorization": "Bearer nope"}
+    _error(httpx.post(f"{base}/v1/completions", json={"prompt": "hi"}, headers=bad), 401)
+    good = {"Authorization": f"Bearer {API_KEY}"}
+    ok = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                    headers=good)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+    big = httpx.post(f"{base}/v1/completions", json={"prompt": "x" * 8000}, headers=good)
+    _error(big, 413)
