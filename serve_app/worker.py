@@ -48,6 +48,7 @@ class Worker:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._pumps: dict[str, asyncio.Task] = {}  # request id -> task streaming it
         self.requests_total = 0
+        self.aborted_total = 0  # requests stopped here by an abort control call
         self.batches_total = 0
         self.batches_running = 0
 
@@ -112,6 +113,7 @@ class Worker:
             task = self._pumps.pop(request_id, None)
             if task is not None:
                 found += 1
+                self.aborted_total += 1
                 task.cancel()  # ends its generate() stream, which aborts it in the engine
             self.engine.abort(request_id)
         return found
@@ -128,6 +130,7 @@ class Worker:
     async def get_stats(self, target_replica: str | None = None) -> dict[str, Any]:
         stats = dict(self.engine.get_stats())
         stats.update(replica=self.replica_id, requests_total=self.requests_total,
+                     aborted_total=self.aborted_total,
                      batches_total=self.batches_total, batches_running=self.batches_running)
         return stats
 

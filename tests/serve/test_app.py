@@ -161,18 +161,30 @@ def test_chat_stream_wire_format(url):
     assert chunks[-1]["usage"]["completion_tokens"] == 6
 
 
-def test_stop_strings_n_echo_and_logprobs(url, offline):
+def test_stop_string_aborts_at_the_worker(url, offline):
+    """Two prompts in one batch; the first stops on a string and is aborted at its replica
+    by a control call while the second runs on."""
     from engine import SamplingParams
 
-    (exp,) = offline.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=20,
-                                                           ignore_eos=True), use_tqdm=False)
-    text = exp.outputs[0].text
-    stop = text[len(text) // 2: len(text) // 2 + 3]
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    first, second = (o.outputs[0].text for o in offline.generate(PROMPTS[:2], params,
+                                                                    use_tqdm=False))
+    start = next(i for i in range(4, len(first) - 3) if first[i:i + 3] not in second)
+    stop = first[start:start + 3]
+    before = _stats(url)["total"]
+    resp = _client(url).completions.create(model=None, prompt=PROMPTS[:2], max_tokens=60,
+                                           temperature=0, stop=[stop],
+                                           extra_body={"ignore_eos": True})
+    choices = sorted(resp.choices, key=lambda c: c.index)
+    assert [c.text for c in choices] == [first[: first.index(stop)], second]
+    assert [c.finish_reason for c in choices] == ["stop", "length"]
+    after = wait_until(lambda: (s := _stats(url)["total"])["num_running"] == 0 and s, 20, "idle")
+    assert after["aborted_total"] == before["aborted_total"] + 1
+    assert after["generation_tokens_total"] - before["generation_tokens_total"] < 110
+
+
+def test_n_echo_and_logprobs(url):
     client = _client(url)
-    resp = client.completions.create(model=None, prompt=PROMPTS[0], max_tokens=20,
-                                     temperature=0, stop=[stop], extra_body={"ignore_eos": True})
-    assert resp.choices[0].text == text[: text.index(stop)]
-    assert resp.choices[0].finish_reason == "stop"
     many = client.completions.create(model=None, prompt=PROMPTS[:2], max_tokens=4, n=3,
                                      temperature=1.0, seed=7, echo=True)
     assert sorted(c.index for c in many.choices) == list(range(6))

@@ -268,3 +268,49 @@ def test_prefix_hashes_are_chained_and_skip_the_last_token():
     assert len(prefix_hashes(list(range(8)), 4)) == 1  # the last token is never covered
     x, y = prefix_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], 4), prefix_hashes([0, 2, 3, 4, 5, 6, 7, 8, 9], 4)
     assert x[1] != y[1]  # a different first chunk changes every later hash
+
+
+# ---- worker client: leaving early ------------------------------------------------------------
+
+class _FakeCall:
+    def __init__(self, log, name, kwargs):
+        log.append((name, kwargs))
+
+    def __await__(self):
+        return asyncio.sleep(0, result=1).__await__()
+
+    def cancel(self):
+        pass
+
+
+class _FakeHandle:
+    def __init__(self):
+        self.calls: list = []
+
+    def options(self, **_):
+        return self
+
+    def __getattr__(self, name):
+        log = self.calls
+        return SimpleNamespace(remote=lambda **kw: _FakeCall(log, name, kw))
+
+
+def test_leaving_early_aborts_at_the_replica_or_cancels_the_batch():
+    from serve_app.worker_client import WorkerClient
+
+    async def run():
+        handle = _FakeHandle()
+        client = WorkerClient(handle)
+        a, b = _req(), _req()
+        batch = Batch([a, b], task=asyncio.get_running_loop().create_task(asyncio.sleep(10)))
+        for r in (a, b):
+            r.batch, r.replica = batch, "rep-7"
+        client.release(a)  # b still listens: abort a at its replica only
+        await asyncio.sleep(0.01)
+        assert handle.calls == [("abort", {"request_ids": [a.request_id],
+                                           "target_replica": "rep-7"})]
+        client.release(b)  # nobody listens: cancel the whole streaming call
+        await asyncio.sleep(0)
+        assert batch.task.cancelled() and len(handle.calls) == 1
+
+    asyncio.run(run())
