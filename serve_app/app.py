@@ -21,6 +21,7 @@ def build_app(args: AppConfig) -> Application:
     cfg = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
     worker = serve.deployment(Worker, name="Worker").options(**worker_options(cfg))
     router = Router.options(num_replicas=cfg.num_routers,
+                            max_ongoing_requests=cfg.router_max_ongoing_requests,
                             ray_actor_options={"num_cpus": cfg.router_num_cpus})
     return router.bind(worker.bind(cfg), cfg)
 

@@ -63,6 +63,11 @@ class AppConfig(BaseModel):
         1.0, gt=0.0, description="CPUs a Worker replica (each rank on GPU) reserves from Ray."
     )
     router_num_cpus: float = Field(0.5, ge=0.0, description="CPUs a Router replica reserves.")
+    router_max_ongoing_requests: int = Field(
+        4096, ge=1, description="Serve's cap on concurrent HTTP requests per Router replica "
+        "(streams included); beyond it Serve's proxy queues them. Keep it above "
+        "max_waiting_requests plus the streams you expect, so the Router's 429 decides."
+    )
     worker_max_ongoing_requests: int = Field(
         1024, ge=1, description="Serve's cap on concurrent handle calls per Worker (batches and "
         "control calls); admission control is the Router's max_waiting_requests."
