@@ -3,14 +3,21 @@
 Every call goes through the Worker deployment's handle, so replica choice is
 ``WorkerRequestRouter``'s: batches to the least loaded (or prefix-affine) replica, control calls
 (``target_replica=``) to the replica they name.
+
+Handle calls are made in an empty ``contextvars.Context``: inside an HTTP request, Serve gives
+every handle call that request's internal request id, and its request router matches pending
+calls to replicas by that id, so two calls from one request (stats for two replicas, two
+batches flushed from one request's timer) would be routed to each other's replica or hang.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from ray.serve.handle import DeploymentHandle
 
@@ -20,6 +27,13 @@ from serve_app.registry import known_replicas
 logger = logging.getLogger("ray.serve")
 
 CONTROL_TIMEOUT_S = 10.0
+
+T = TypeVar("T")
+
+
+def fresh_call(call: Callable[[], T]) -> T:
+    """Run ``call`` (a ``handle....remote(...)``) with its own Serve request ids."""
+    return contextvars.Context().run(call)
 
 
 class WorkerClient:
@@ -34,10 +48,10 @@ class WorkerClient:
     async def run_batch(self, batch: Batch) -> None:
         """Send one batch in one streaming call and fan its messages out (the batcher's sink)."""
         hashes = [r.prefix_hashes for r in batch.requests]
-        gen = self._stream.generate_batch.remote(
+        gen = fresh_call(lambda: self._stream.generate_batch.remote(
             requests=[r.wire() for r in batch.requests],
             prefix_hashes=hashes if any(hashes) else None,
-        )
+        ))
         try:
             await fan_out(batch, gen, self._abort_released)
             fail_unfinished(batch, 500, "the Worker ended the stream early")
@@ -68,7 +82,8 @@ class WorkerClient:
 
     def abort(self, replica: str, request_ids: list[str]) -> None:
         """Abort at the replica that holds the requests (fire and forget, bounded)."""
-        call = self._handle.abort.remote(request_ids=request_ids, target_replica=replica)
+        call = fresh_call(lambda: self._handle.abort.remote(request_ids=request_ids,
+                                                             target_replica=replica))
         self._spawn(_bounded(call, CONTROL_TIMEOUT_S))
 
     def _spawn(self, coro: Any) -> None:
@@ -79,14 +94,15 @@ class WorkerClient:
     # ---- control -----------------------------------------------------------------------------
 
     async def model_info(self) -> dict[str, Any]:
-        return await self._handle.model_info.remote()
+        return await fresh_call(lambda: self._handle.model_info.remote())
 
     def replicas(self) -> list[str]:
         return known_replicas(self._deployment)
 
     async def stats(self, timeout_s: float = 5.0) -> list[dict[str, Any]]:
         """``get_stats()`` of every running Worker replica that answers in time."""
-        calls = [self._handle.get_stats.remote(target_replica=rid) for rid in self.replicas()]
+        calls = [fresh_call(lambda r=rid: self._handle.get_stats.remote(target_replica=r))
+                 for rid in self.replicas()]
         results = await asyncio.gather(*(_bounded(c, timeout_s) for c in calls))
         return [r for r in results if r is not None]
 

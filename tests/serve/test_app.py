@@ -48,9 +48,13 @@ def url(model_path):
                         serve.RunTarget(guarded, name="guarded", route_prefix="/guarded"),
                         serve.RunTarget(broken, name="broken", route_prefix="/broken")],
                        wait_for_applications_running=False)
+        for name in ("main", "guarded"):  # every replica up, not just the first Worker
+            wait_until(lambda n=name: serve.status().applications[n].status == "RUNNING",
+                       180, f"app {name} running")
         for prefix in ("", "/guarded"):
             wait_until(lambda p=prefix: httpx.get(f"{base}{p}/health").status_code == 200,
-                       180, f"{prefix or '/'} healthy")
+                       60, f"{prefix or '/'} healthy")
+        wait_until(lambda: len(_stats(base)["workers"]) == 2, 30, "both Workers known")
         yield base
 
 
