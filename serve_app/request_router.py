@@ -10,8 +10,11 @@ call:
   (*prefix affinity*) and is not much busier (``imbalance_threshold``).
 
 Load of a replica = its last reported running + waiting requests (``record_routing_stats``,
-every ``routing_stats_period_s``) plus the requests this handle sent it since that report.
-Ties go to the replica with more free KV blocks. Prefix ownership is what this handle has
+every ``routing_stats_period_s``, stamped with the replica's clock) plus the requests this
+handle routed to it after that stamp. Sent batches are forgotten once a report newer than them
+arrives (it counts them, or they are done); Serve's ``on_request_completed`` is not used
+because in Ray 2.60 it fires as soon as a *streaming* call's first message arrives. Ties go to
+the replica with more free KV blocks. Prefix ownership is what this handle has
 sent where: chained hashes of ``prefix_chunk_tokens``-token prompt chunks, kept in an LRU.
 """
 
@@ -37,7 +40,7 @@ class WorkerRequestRouter(RequestRouter):
         self._min_match = prefix_min_match_tokens
         self._imbalance = imbalance_threshold
         self._owners: OrderedDict[int, set[str]] = OrderedDict()  # prefix hash -> replica ids
-        self._in_flight: dict[str, tuple[str, int, float]] = {}  # call id -> (replica, n, sent)
+        self._sent: dict[str, list[tuple[float, int]]] = {}  # replica -> [(sent at, requests)]
         registry.register(self._deployment_id.name, self)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -64,9 +67,11 @@ class WorkerRequestRouter(RequestRouter):
         """Reported running + waiting, plus what was sent since that report."""
         stats = replica.routing_stats or {}
         since = stats.get("ts", 0.0)
-        rid = replica.replica_id.unique_id
-        sent = sum(n for r, n, t in self._in_flight.values() if r == rid and t >= since)
-        return int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0)) + sent
+        sent = self._sent.get(replica.replica_id.unique_id)
+        if sent:
+            sent[:] = [(t, n) for t, n in sent if t > since]  # the report covers the rest
+        unreported = sum(n for _, n in sent) if sent else 0
+        return int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0)) + unreported
 
     def _load_key(self, replica: RunningReplica) -> tuple[int, float]:
         stats = replica.routing_stats or {}
@@ -131,13 +136,9 @@ class WorkerRequestRouter(RequestRouter):
         if "requests" not in kwargs:
             return  # a control call
         rid = replica_id.unique_id
-        call_id = pending_request.metadata.internal_request_id
-        self._in_flight[call_id] = (rid, len(kwargs["requests"]), time.time())
+        self._sent.setdefault(rid, []).append((time.time(), len(kwargs["requests"])))
         if kwargs.get("prefix_hashes"):
             self._remember(kwargs["prefix_hashes"], rid)
-
-    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self._in_flight.pop(internal_request_id, None)
 
 
 def prefix_hashes(token_ids: list[int], chunk: int) -> list[int]:

@@ -273,6 +273,26 @@ def test_client_disconnect_frees_kv_blocks(url):
     wait_until(lambda: idle(_stats(url)["workers"]), 20, "KV blocks freed after disconnect")
 
 
+def test_prefix_affinity_follows_the_cached_prompt(url):
+    """Two long prompts land on different replicas (the first is still running when the
+    second arrives); follow-ups sharing either prefix go where that prefix is cached."""
+    p1, p2 = list(range(10, 170)), list(range(200, 360))
+    hits_before = _stats(url)["total"]["prefix_cache_hits"]
+    with httpx.Client(base_url=url, timeout=60) as client:
+        body = {"prompt": p1, "max_tokens": 80, "ignore_eos": True, "stream": True}
+        with client.stream("POST", "/v1/completions", json=body) as first:
+            next(first.iter_lines())
+            second = client.post("/v1/completions", json={"prompt": p2, "max_tokens": 2})
+        owners = {1: first.headers["x-pagedserve-replica"],
+                  2: second.headers["x-pagedserve-replica"]}
+        assert owners[1] != owners[2]  # least loaded: the first replica was busy
+        for key, prompt in ((2, p2), (1, p1)):
+            follow = client.post("/v1/completions", json={"prompt": prompt + [5, 6],
+                                                          "max_tokens": 2})
+            assert follow.headers["x-pagedserve-replica"] == owners[key]
+    assert _stats(url)["total"]["prefix_cache_hits"] > hits_before
+
+
 # ---- errors ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("path, body, status, param", [

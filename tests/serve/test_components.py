@@ -4,6 +4,7 @@ response streams, and the Serve config file against Ray's own schema."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -214,8 +215,7 @@ def _replica(uid: str, running: int = 0, waiting: int = 0, free: int = 100):
 
 
 def _pending(**kwargs):
-    return SimpleNamespace(args=[], kwargs=kwargs, routing_context=SimpleNamespace(),
-                           metadata=SimpleNamespace(internal_request_id=kwargs.pop("_id", "x")))
+    return SimpleNamespace(args=[], kwargs=kwargs, routing_context=SimpleNamespace())
 
 
 def _choose(router, replicas, pending):
@@ -236,13 +236,14 @@ def test_control_call_goes_to_the_named_replica():
     assert _choose(router, [a, b], _pending(request_ids=["r"], target_replica="b")) == ["b"]
 
 
-def test_in_flight_batches_count_until_reported():
+def test_sent_batches_count_until_a_newer_report():
     router = _router()
     a, b = _replica("a"), _replica("b", running=1)
-    first = _pending(requests=[1, 2, 3], _id="c1")
-    router.on_request_routed(first, a.replica_id, None)
+    router.on_request_routed(_pending(requests=[1, 2, 3]), a.replica_id, None)
+    assert router.load(a) == 3
     assert _choose(router, [a, b], _pending(requests=[1])) == ["b", "a"]
-    router.on_request_completed(a.replica_id, "c1")
+    a.routing_stats.update(ts=time.time() + 1, num_running=0)  # a report after the batch
+    assert router.load(a) == 0
     assert _choose(router, [a, b], _pending(requests=[1])) == ["a", "b"]
 
 
@@ -251,9 +252,8 @@ def test_prefix_affinity_unless_much_busier():
     a, b = _replica("a"), _replica("b")
     prompt = list(range(40))
     hashes = [prefix_hashes(prompt, 4)]
-    router.on_request_routed(_pending(requests=[1], prefix_hashes=hashes, _id="c1"),
-                             b.replica_id, None)
-    router.on_request_completed(b.replica_id, "c1")
+    router.on_request_routed(_pending(requests=[1], prefix_hashes=hashes), b.replica_id, None)
+    b.routing_stats["ts"] = time.time() + 1
     a.routing_stats["num_running"] = 1  # b would win on load alone anyway: make a lighter
     b.routing_stats["num_running"] = 3
     assert _choose(router, [a, b], _pending(requests=[1], prefix_hashes=hashes))[0] == "b"
