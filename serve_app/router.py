@@ -116,7 +116,7 @@ class Router:
                                len(prompts) * req.n, n=req.n, want_logprobs=req.logprobs is not None,
                                echo_texts=[x if isinstance(x, str) else p.decode(x) for x in raw]
                                if req.echo else None)
-        return await self._run(req, prompts, params, fmt, req.logprobs)
+        return await self._run(p, req, prompts, params, fmt, req.logprobs)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Any:
@@ -129,21 +129,21 @@ class Router:
         params = [p.params(req, ids, req.completion_limit(), req.num_logprobs())]
         fmt = ChatFormat(_response_id("chatcmpl", request), p.model_name, p.tokenizer, req.n,
                          want_logprobs=req.logprobs)
-        return await self._run(req, [ids], params, fmt, req.num_logprobs())
+        return await self._run(p, req, [ids], params, fmt, req.num_logprobs())
 
     # ---- request flow ----------------------------------------------------------------------
 
-    async def _run(self, req: Any, prompts: list[list[int]], params: list, fmt: Any,
-                   num_logprobs: int | None) -> Any:
+    async def _run(self, p: PromptProcessor, req: Any, prompts: list[list[int]], params: list,
+                   fmt: Any, num_logprobs: int | None) -> Any:
+        """Admit, queue one engine request per prompt, and answer with SSE or JSON."""
         self._admit(len(prompts))
-        assert self.prompts is not None
-        events: asyncio.Queue = asyncio.Queue()
-        engine_reqs = [EngineRequest(ids, sp, self.prompts.prefix_hashes(ids), events=events)
+        events: asyncio.Queue = asyncio.Queue()  # shared by this HTTP request's prompts
+        engine_reqs = [EngineRequest(ids, sp, p.prefix_hashes(ids), events=events)
                        for ids, sp in zip(prompts, params, strict=True)]
         for r in engine_reqs:
             self._active.add(r)
             self.batcher.submit(r)
-        stream = ResponseStream(engine_reqs, self.prompts.tokenizer, req.stop_list(),
+        stream = ResponseStream(engine_reqs, p.tokenizer, req.stop_list(),
                                 req.include_stop_str_in_output, req.skip_special_tokens,
                                 num_logprobs, self.workers.release)
         try:
