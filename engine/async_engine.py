@@ -41,6 +41,7 @@ class AsyncEngine:
         self.tokenizer = self.engine.tokenizer
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.max_model_len
+        self.vocab_size = self.engine.vocab_size
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -88,7 +89,8 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        """Abort a request wherever it is (thread-safe, idempotent)."""
+        """Abort a request wherever it is (thread-safe, idempotent). Its open stream, if any,
+        ends with an output whose unfinished sequences have finish reason "abort"."""
         self._send(("abort", request_id))
 
     def get_stats(self) -> dict[str, float]:
@@ -135,7 +137,9 @@ class AsyncEngine:
                 except Exception as e:  # bad input: fail this request only
                     self._deliver(rid, e)
             else:
-                self.engine.abort(msg[1])
+                final = self.engine.abort(msg[1])
+                if final is not None:
+                    self._deliver(msg[1], final)
             self._stats = self.engine.get_stats()
 
     def _step(self) -> None:

@@ -110,9 +110,10 @@ class EngineConfig(_Strict):
     def from_yaml(cls, path: str | Path) -> EngineConfig:
         """Load a YAML file, nested (``cache: {block_size: 16}``) or flat."""
         data = yaml.safe_load(Path(path).read_text()) or {}
-        if set(data) <= set(cls.model_fields):
-            return cls(**data)
-        return cls.from_kwargs(**data)
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of engine settings")
+        nested = all(k in cls.model_fields and isinstance(v, dict) for k, v in data.items())
+        return cls(**data) if nested else cls.from_kwargs(**data)
 
     def flat(self) -> dict[str, Any]:
         """The flat keyword form accepted by ``from_kwargs``."""

@@ -120,13 +120,16 @@ class LLMEngine:
             self.scheduler.add(seq)
         self.prompt_tokens_total += len(ids)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Drop a request and free its blocks; returns its last output, every unfinished
+        sequence with finish reason "abort" (None for an unknown or finished request)."""
         group = self.groups.pop(request_id, None)
         if group is None:
-            return
+            return None
         for seq in group.seqs:
             self.scheduler.abort(seq)
             self.runner.sampler.forget(seq.request_id)
+        return self._make_output(group)
 
     def _fail(self, request_id: str, err: Exception) -> None:
         self.abort(request_id)
@@ -212,6 +215,11 @@ class LLMEngine:
                                 seq.stop_reason)
 
     # ----------------------------------------------------------------- introspection
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model accepts: [0, vocab_size)."""
+        return self.hf.vocab_size
+
     def get_stats(self) -> dict[str, float]:
         return {
             "num_running": len(self.scheduler.running),

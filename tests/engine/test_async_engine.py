@@ -150,3 +150,20 @@ def test_an_error_while_processing_one_request_spares_the_others(engine, monkeyp
     assert len(fine[-1].outputs[0].token_ids) == 8
     assert engine.is_running
     assert engine.get_stats()["num_free_blocks"] == engine.get_stats()["num_total_blocks"]
+
+
+def test_abort_ends_an_open_stream_with_finish_reason_abort(engine):
+    async def main():
+        outs = []
+        async for out in engine.generate("to-abort", [0, 7, 8],
+                                         SamplingParams(max_tokens=500, ignore_eos=True,
+                                                        output_kind="delta")):
+            outs.append(out)
+            if len(outs) == 3:
+                engine.abort("to-abort")
+        return outs
+
+    outs = run(asyncio.wait_for(main(), timeout=10))
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+    assert 3 <= len(outs) < 500
+    assert engine.get_stats()["num_free_blocks"] == engine.get_stats()["num_total_blocks"]

@@ -257,3 +257,19 @@ def test_memory_profiling_forward_runs_over_a_full_token_budget(ckpt):
     runner._bind_kv_cache(runner.num_blocks)
     out = llm.generate(as_inputs(PROMPTS[:1]), GREEDY, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 24
+
+
+def test_engine_config_from_yaml_flat_and_nested(tmp_path):
+    from engine import EngineConfig
+
+    flat = tmp_path / "flat.yaml"
+    flat.write_text("model: /models/x\n")
+    assert EngineConfig.from_yaml(flat).model.model == "/models/x"
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("model: {model: /models/y, dtype: bfloat16}\ncache: {block_size: 32}\n")
+    cfg = EngineConfig.from_yaml(nested)
+    assert (cfg.model.model, cfg.model.dtype, cfg.cache.block_size) == ("/models/y", "bfloat16", 32)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("block_size: 12\n")
+    with pytest.raises(ValueError, match="block_size must be a power of two"):
+        EngineConfig.from_yaml(bad)
