@@ -138,8 +138,10 @@ class AsyncEngine:
                     self._deliver(rid, e)
             else:
                 final = self.engine.abort(msg[1])
+                self._stats = self.engine.get_stats()
                 if final is not None:
                     self._deliver(msg[1], final)
+                continue
             self._stats = self.engine.get_stats()
 
     def _step(self) -> None:
