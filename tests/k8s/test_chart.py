@@ -15,6 +15,7 @@ from serve_app.config import AppConfig
 from tests.k8s.chart import (
     CHART,
     EXAMPLES,
+    ROOT,
     app_args,
     container,
     example,
@@ -263,3 +264,26 @@ def test_metrics_scrape_annotations_and_pod_monitor():
     pod_labels = head(rs)["template"]["metadata"]["labels"]
     assert monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
     assert "PodMonitor" not in render()
+
+
+
+def bundled_policy(case: str) -> str | None:
+    policy = ((values_for(case) or {}).get("autoscaling") or {}).get("policy", "latency_first")
+    return None if policy == "inline" or policy.startswith("/") else policy
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if bundled_policy(c)])
+def test_named_policy_bounds_match_the_bundled_policy(case):
+    """With a bundled policy, Serve takes the Worker bounds from the policy file in the image
+    and the GPU group takes them from the values: they must be the same numbers."""
+    path = ROOT / "deploy" / "autoscaling" / f"{bundled_policy(case)}.yaml"
+    if not path.is_file():
+        pytest.skip(f"{path.relative_to(ROOT)} is not in this checkout yet")
+    import helm_python as helm
+
+    bundled = yaml.safe_load(path.read_text())
+    with helm.Chart.load(CHART) as chart:
+        autoscaling = chart.merge_values(values_for(case))["autoscaling"]
+    bounds = (autoscaling["minReplicas"], autoscaling["maxReplicas"])
+    assert bounds == (bundled["min_replicas"], bundled["max_replicas"]), (
+        f"{case}: autoscaling.minReplicas/maxReplicas {bounds} differ from {path.name}")
