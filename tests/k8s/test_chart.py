@@ -257,6 +257,7 @@ def test_metrics_scrape_annotations_and_pod_monitor():
         assert meta["annotations"]["prometheus.io/scrape"] == "true"
         assert meta["annotations"]["prometheus.io/port"] == "8080"
         assert {"name": "metrics", "containerPort": 8080} in container(group)["ports"]
+        assert group["rayStartParams"]["metrics-export-port"] == "8080"
     monitor = objects["PodMonitor"]
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
