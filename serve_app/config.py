@@ -9,6 +9,7 @@ coerces them; an unknown key or a bad value is a ``ValueError`` at start-up.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
@@ -53,6 +54,11 @@ class AppConfig(BaseModel):
     api_key: SecretStr | None = Field(
         None, description="When set, /v1/* routes need `Authorization: Bearer <api_key>` (401 "
         "otherwise). Never logged."
+    )
+    api_key_file: str | None = Field(
+        None, description="A file whose content (whitespace stripped) is the API key, e.g. a "
+        "mounted Kubernetes Secret; read by each Router replica, so the key never travels in the "
+        "app's arguments. Excludes api_key."
     )
     accelerator: Literal["auto", "cpu", "gpu"] = Field(
         "auto", description="What a Worker asks Ray for: 'gpu' = one GPU per tensor-parallel rank, "
@@ -103,6 +109,28 @@ class AppConfig(BaseModel):
         rest = {k: v for k, v in data.items() if k not in _ENGINE_KEYS}
         rest["engine"] = EngineConfig.from_kwargs(**{**_flat_engine(engine), **flat})
         return rest
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> AppConfig:
+        if self.api_key is not None and self.api_key_file is not None:
+            raise ValueError("api_key and api_key_file are mutually exclusive: give one")
+        return self
+
+    def resolved_api_key(self) -> str | None:
+        """The API key from ``api_key`` or ``api_key_file``; ``ValueError`` naming the file if it
+        is missing or empty."""
+        if self.api_key is not None:
+            return self.api_key.get_secret_value()
+        if self.api_key_file is None:
+            return None
+        try:
+            key = Path(self.api_key_file).read_text().strip()
+        except OSError as e:
+            raise ValueError(f"api_key_file {self.api_key_file!r} cannot be read: "
+                             f"{e.strerror}") from None
+        if not key:
+            raise ValueError(f"api_key_file {self.api_key_file!r} is empty")
+        return key
 
     def use_gpu(self) -> bool:
         """Whether Worker replicas ask for GPUs (resolves ``accelerator='auto'``)."""

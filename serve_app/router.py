@@ -50,6 +50,7 @@ def _response_id(prefix: str, request: Request) -> str:
 class Router:
     def __init__(self, worker: DeploymentHandle, config: AppConfig) -> None:
         self.cfg = config
+        self._api_key = config.resolved_api_key()
         self.workers = WorkerClient(worker)
         self.batcher = DynamicBatcher(self.workers.run_batch, config.max_batch_size,
                                       config.batch_wait_ms / 1000.0)
@@ -192,12 +193,12 @@ class Router:
     # ---- checks ----------------------------------------------------------------------------
 
     def _authorize(self, request: Request) -> None:
-        key = self.cfg.api_key
+        key = self._api_key
         if key is None:
             return
         given = request.headers.get("authorization", "")
         token = given[7:] if given[:7].lower() == "bearer " else ""
-        if not hmac.compare_digest(token.encode(), key.get_secret_value().encode()):
+        if not hmac.compare_digest(token.encode(), key.encode()):
             raise APIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
                            code="invalid_api_key")
 

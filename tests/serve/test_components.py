@@ -314,3 +314,20 @@ def test_leaving_early_aborts_at_the_replica_or_cancels_the_batch():
         assert batch.task.cancelled() and len(handle.calls) == 1
 
     asyncio.run(run())
+
+
+def test_api_key_file_is_read_and_checked(tmp_path):
+    from serve_app.config import AppConfig
+
+    key_file = tmp_path / "api-key"
+    key_file.write_text("  s3cret\n")
+    assert AppConfig(api_key_file=str(key_file)).resolved_api_key() == "s3cret"
+    assert AppConfig(api_key="abc").resolved_api_key() == "abc"
+    assert AppConfig().resolved_api_key() is None
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        AppConfig(api_key="abc", api_key_file=str(key_file))
+    with pytest.raises(ValueError, match="cannot be read"):
+        AppConfig(api_key_file=str(tmp_path / "missing")).resolved_api_key()
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="is empty"):
+        AppConfig(api_key_file=str(tmp_path / "empty")).resolved_api_key()
