@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # Ray 2.60 binds to the machine's external address unless told otherwise; keep it on loopback.
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 
-.PHONY: setup test test-fast serve generate lint bench clean
+.PHONY: setup test serve generate lint k8s clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,9 @@ serve: setup
 
 generate: setup
 	$(PY) -m engine.llm --prompt "Hello, my name is" --max-tokens 32
+
+k8s: setup
+	$(PY) scripts/render_k8s.py
 
 lint: setup
 	$(VENV)/bin/ruff check .
