@@ -1,0 +1,137 @@
+"""``QueueDepthPolicy``: the Worker deployment's Ray Serve autoscaling policy (Ray 2.60 API).
+
+Serve's default policy counts ongoing handle calls, but one call to a Worker carries a whole
+batch and a replica with a full KV cache looks no busier than an idle one. This policy reads what
+each Worker reports in ``record_autoscaling_stats()`` instead.
+
+Serve builds the class once per deployment, ``QueueDepthPolicy(**policy_kwargs)``, and calls it
+on every control-loop tick with an ``AutoscalingContext``; it returns ``(replicas, state)``.
+Serve wraps the call: it starts the first replica itself when calls queue for a deployment at
+zero, and it applies the scaling factors, ``upscale_delay_s`` / ``downscale_delay_s`` /
+``downscale_to_zero_delay_s`` and ``min_replicas`` / ``max_replicas`` to the answer.
+
+Inputs, summed over the running replicas (``ctx.aggregated_metrics``: each replica's reports
+averaged over ``look_back_period_s``):
+
+* ``queue`` = requests waiting in the replicas' schedulers + batch calls queued at the Routers'
+  handles (``ctx.total_queued_requests``, non-zero when every replica is busy or none runs);
+* ``kv`` = the sum of the replicas' KV-cache usage, i.e. the cache in use in units of one
+  replica's cache;
+* ``running`` = requests being generated.
+
+The rule, with ``t`` the current target and ``d = downscale_threshold``:
+
+* **up** to ``max(ceil(queue / target_queue_per_replica), ceil(kv / max_kv_usage))`` when that
+  is above ``t``: the queue per replica is above its target or the caches are fuller than the
+  bound;
+* **down** to ``max(ceil(queue / (d * target)), ceil(kv / (d * max_kv_usage)), 1)`` when that is
+  below ``t``: fewer replicas would still hold the queue and the cache well under the bounds;
+* **zero** when ``min_replicas`` is 0 and nothing waited, ran or queued during the window;
+* **hold** at ``t`` otherwise.
+
+Time hysteresis is Serve's: its delay logic scales only after the same direction has been
+answered without a break for the delay, and a *hold* resets it. So replicas go down only after
+the queue has been short and the cache not full for ``downscale_delay_s``, and the last one goes
+only after ``downscale_to_zero_delay_s`` (the policy file's ``idle_timeout_s``) of idleness.
+
+This module is pickled by value into Serve's controller: it imports nothing from ``serve_app``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+logger = logging.getLogger("ray.serve")
+
+# Metric names reported by Worker.record_autoscaling_stats().
+WAITING, RUNNING, KV_USAGE, TOKENS_PER_S = (
+    "num_waiting", "num_running", "kv_cache_usage", "output_tokens_per_s")
+STATE_KEY = "queue_depth_policy"  # our entry in Serve's policy_state
+
+
+class QueueDepthPolicy:
+    """Replica count from queue depth and KV-cache usage (see the module docstring)."""
+
+    def __init__(self, target_queue_per_replica: float = 4.0, max_kv_usage: float = 0.9,
+                 downscale_threshold: float = 0.5, **_: Any) -> None:
+        _check(target_queue_per_replica > 0, "target_queue_per_replica", "must be > 0",
+               target_queue_per_replica)
+        _check(0 < max_kv_usage <= 1, "max_kv_usage", "must be in (0, 1]", max_kv_usage)
+        _check(0 < downscale_threshold < 1, "downscale_threshold", "must be in (0, 1)",
+               downscale_threshold)
+        self.target_queue = float(target_queue_per_replica)
+        self.max_kv = float(max_kv_usage)
+        self.threshold = float(downscale_threshold)
+        self._last_decision = ""
+
+    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        load = Load.from_context(ctx)
+        current = ctx.target_num_replicas
+        decision, replicas = self.decide(load, current, ctx.capacity_adjusted_min_replicas)
+        replicas = min(max(replicas, ctx.capacity_adjusted_min_replicas),
+                       ctx.capacity_adjusted_max_replicas)
+        if decision != self._last_decision:
+            self._last_decision = decision
+            logger.info("QueueDepthPolicy: %s %d -> %d (%s)", decision, current, replicas, load)
+        state = dict(ctx.policy_state or {})
+        state[STATE_KEY] = {"decision": decision, "desired": replicas, **load.as_dict()}
+        return replicas, state
+
+    def decide(self, load: Load, current: int, min_replicas: int) -> tuple[str, int]:
+        """``(decision, replicas)`` before bounds: 'up', 'down', 'zero' or 'hold'."""
+        up = max(_ceil(load.queue / self.target_queue), _ceil(load.kv / self.max_kv))
+        if up > current:
+            return "up", up
+        if min_replicas == 0 and load.idle():
+            return ("zero", 0) if current > 0 else ("hold", 0)
+        down = max(_ceil(load.queue / (self.threshold * self.target_queue)),
+                   _ceil(load.kv / (self.threshold * self.max_kv)), 1)
+        if down < current:
+            return "down", down
+        return "hold", current
+
+
+class Load:
+    """A deployment's load over the look-back window, summed over its running replicas."""
+
+    __slots__ = ("queue", "running", "kv", "tokens_per_s", "replicas")
+
+    def __init__(self, queue: float = 0.0, running: float = 0.0, kv: float = 0.0,
+                 tokens_per_s: float = 0.0, replicas: int = 0) -> None:
+        self.queue, self.running, self.kv = queue, running, kv
+        self.tokens_per_s, self.replicas = tokens_per_s, replicas
+
+    @classmethod
+    def from_context(cls, ctx: Any) -> Load:
+        metrics = ctx.aggregated_metrics or {}
+        running_ids = set(ctx.running_replicas or ())
+
+        def total(name: str) -> float:
+            per_replica = metrics.get(name) or {}
+            return float(sum(v for rid, v in per_replica.items() if rid in running_ids))
+
+        queued_at_handles = float(ctx.total_queued_requests or 0.0)
+        return cls(queue=total(WAITING) + queued_at_handles, running=total(RUNNING),
+                   kv=total(KV_USAGE), tokens_per_s=total(TOKENS_PER_S),
+                   replicas=ctx.current_num_replicas)
+
+    def idle(self) -> bool:
+        return self.queue <= 0 and self.running <= 0
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: round(float(getattr(self, k)), 3) for k in self.__slots__}
+
+    def __repr__(self) -> str:
+        return (f"queue={self.queue:.1f} running={self.running:.1f} kv={self.kv:.2f} "
+                f"tokens/s={self.tokens_per_s:.0f} on {self.replicas} replicas")
+
+
+def _ceil(x: float) -> int:
+    return math.ceil(x - 1e-9)  # 2.0000000001 from float sums is 2, not 3
+
+
+def _check(ok: bool, field: str, rule: str, value: Any) -> None:
+    if not ok:
+        raise ValueError(f"QueueDepthPolicy: {field} {rule}, got {value!r}")
