@@ -31,7 +31,7 @@ def worker_options(cfg: AppConfig) -> dict[str, Any]:
     tp = cfg.engine.parallel.tensor_parallel_size
     cpus = cfg.worker_num_cpus
     opts: dict[str, Any] = {
-        "num_replicas": cfg.num_workers,
+        **scaling_options(cfg),
         "max_ongoing_requests": cfg.worker_max_ongoing_requests,
         "health_check_period_s": cfg.health_check_period_s,
         "request_router_config": RequestRouterConfig(
@@ -53,4 +53,20 @@ def worker_options(cfg: AppConfig) -> dict[str, Any]:
     if tp > 1:  # one bundle per rank; rank 0 is the replica actor itself
         opts["placement_group_bundles"] = [bundle] * tp
         opts["placement_group_strategy"] = "STRICT_PACK"
+    return opts
+
+
+def scaling_options(cfg: AppConfig) -> dict[str, Any]:
+    """How many Workers: ``num_workers``, or the autoscaling policy; and the drain on removal.
+
+    A Worker being removed is first taken out of routing, then Serve waits (polling every
+    ``graceful_shutdown_wait_loop_s``) for its ongoing calls, i.e. the batches it streams, up to
+    ``graceful_shutdown_timeout_s`` before it calls ``Worker.__del__`` and stops the actor.
+    """
+    opts: dict[str, Any] = {"graceful_shutdown_wait_loop_s": 0.5,
+                            "graceful_shutdown_timeout_s": cfg.worker_drain_timeout_s}
+    if cfg.autoscaling is None:
+        opts["num_replicas"] = cfg.num_workers
+    else:
+        opts["autoscaling_config"] = cfg.autoscaling.serve_autoscaling_config()
     return opts

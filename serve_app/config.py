@@ -12,9 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from engine.config import EngineConfig
+from serve_app.autoscaling_config import AutoscalingPolicyConfig, load_policy
 
 _ENGINE_KEYS = {k for f in EngineConfig.model_fields.values() for k in f.annotation.model_fields}  # type: ignore[union-attr]
 
@@ -95,6 +96,22 @@ class AppConfig(BaseModel):
     health_check_period_s: float = Field(
         5.0, gt=0.0, description="How often Serve checks that a Worker's engine is alive."
     )
+    autoscaling: AutoscalingPolicyConfig | None = Field(
+        None, description="Worker autoscaling policy (serve_app.autoscaling:QueueDepthPolicy): "
+        "a bundled policy's name (latency_first, throughput_first, scale_to_zero: "
+        "deploy/autoscaling/<name>.yaml), the path of a policy file, or a mapping of the same "
+        "fields. None = a fixed num_workers replicas."
+    )
+    cold_start_timeout_s: float = Field(
+        300.0, gt=0.0, description="With an autoscaling policy whose min_replicas is 0: how long "
+        "the Router holds a request while no Worker runs and one is started, before it answers "
+        "503."
+    )
+    worker_drain_timeout_s: float = Field(
+        300.0, gt=0.0, description="How long a Worker replica being removed (scale-down, "
+        "redeploy) may keep streaming the batches it holds before Serve stops it "
+        "(Serve's graceful_shutdown_timeout_s); it takes no new batches meanwhile."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -131,6 +148,23 @@ class AppConfig(BaseModel):
         if not key:
             raise ValueError(f"api_key_file {self.api_key_file!r} is empty")
         return key
+
+    @field_validator("autoscaling", mode="before")
+    @classmethod
+    def _load_autoscaling(cls, value: Any) -> Any:
+        """A policy name, file path or mapping -> the validated policy (errors name the file)."""
+        return None if value is None else load_policy(value)
+
+    @model_validator(mode="after")
+    def _one_way_to_size_workers(self) -> AppConfig:
+        if self.autoscaling is not None and "num_workers" in self.model_fields_set:
+            raise ValueError("num_workers: set either num_workers (a fixed count) or "
+                             "autoscaling (min_replicas..max_replicas), not both")
+        return self
+
+    def scales_to_zero(self) -> bool:
+        """Whether the Worker deployment may have no replica (autoscaling min_replicas 0)."""
+        return self.autoscaling is not None and self.autoscaling.min_replicas == 0
 
     def use_gpu(self) -> bool:
         """Whether Worker replicas ask for GPUs (resolves ``accelerator='auto'``)."""

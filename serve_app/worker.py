@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 from ray import serve
@@ -51,6 +51,7 @@ class Worker:
         self.aborted_total = 0  # requests stopped here by an abort control call
         self.batches_total = 0
         self.batches_running = 0
+        self.drain_timeout_s = config.worker_drain_timeout_s
 
     # ---- data path -------------------------------------------------------------------------
 
@@ -144,19 +145,50 @@ class Worker:
                 "ts": time.time()}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        """The real load: one handle call carries a whole batch, so Serve's count says little."""
+        """The real load, for ``serve_app.autoscaling.QueueDepthPolicy``: one handle call carries
+        a whole batch, so Serve's count of ongoing calls says little."""
         s = self.engine.get_stats()
         return {"num_waiting": float(s["num_waiting"]), "num_running": float(s["num_running"]),
-                "kv_cache_usage": float(s["kv_cache_usage"])}
+                "kv_cache_usage": float(s["kv_cache_usage"]),
+                "output_tokens_per_s": float(s.get("output_tokens_per_s", 0.0))}
 
     def check_health(self) -> None:
         if not getattr(self.engine, "is_running", True):
             raise RuntimeError("the engine's step loop has stopped")
 
-    def __del__(self) -> None:
+    def __del__(self) -> Awaitable[None] | None:
+        """Stop the engine. Serve calls this when it removes the replica and awaits the result.
+
+        Removal (scale-down, redeploy) takes the replica out of routing first, so it gets no
+        new batch, then Serve waits for its ongoing calls (the batches it streams) up to
+        ``worker_drain_timeout_s``, then calls this. A batch still streaming here then (admitted
+        as the drain ended) is finished first, within the same bound. From the garbage
+        collector (no batch running, no event loop), the engine stops at once.
+        """
         engine = getattr(self, "engine", None)
-        if engine is not None:
-            engine.shutdown()
+        if engine is None:
+            return None
+        if getattr(self, "batches_running", 0) and _has_running_loop():
+            return self._finish_batches_then_stop(engine)
+        engine.shutdown()
+        return None
+
+    async def _finish_batches_then_stop(self, engine: Any) -> None:
+        deadline = time.monotonic() + self.drain_timeout_s
+        while self.batches_running and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.batches_running:
+            logger.warning("Worker stops with %d batches unfinished after %.0fs",
+                           self.batches_running, self.drain_timeout_s)
+        engine.shutdown()
+
+
+def _has_running_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _drain(first: _Item, queue: asyncio.Queue[_Item]) -> tuple[dict[str, list], int]:
