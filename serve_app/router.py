@@ -60,6 +60,7 @@ class Router:
         self._ttft_ewma_s = 0.0
         self._health: tuple[float, bool] = (0.0, False)
         self._init_task = asyncio.get_running_loop().create_task(self._load_model_info())
+        self._waking: asyncio.Task | None = None  # brings a Worker up from zero replicas
 
     async def _load_model_info(self) -> None:
         """Fetch the tokenizer and limits from a Worker, retrying until one is up."""
@@ -84,7 +85,7 @@ class Router:
     @api.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
         self._authorize(request)
-        p = self._ready()
+        p = await self._ready()
         card = {"id": p.model_name, "object": "model", "created": 0, "owned_by": "pagedserve",
                 "max_model_len": p.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
@@ -108,7 +109,7 @@ class Router:
     async def completions(self, request: Request) -> Any:
         self._authorize(request)
         req: CompletionRequest = parse_request(CompletionRequest, await self._body(request))
-        p = self._ready()
+        p = await self._ready()
         p.check_model(req.model)
         raw = req.prompts()
         prompts = [p.encode_completion(x) for x in raw]
@@ -124,7 +125,7 @@ class Router:
         self._authorize(request)
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest,
                                                    await self._body(request))
-        p = self._ready()
+        p = await self._ready()
         p.check_model(req.model)
         ids = p.encode_chat(req.chat_messages(), req.add_generation_prompt)
         params = [p.params(req, ids, req.completion_limit(), req.num_logprobs())]
@@ -212,7 +213,9 @@ class Router:
             raise APIError(413, f"request body of {len(body)} bytes is over the limit of {limit}")
         return body
 
-    def _ready(self) -> PromptProcessor:
+    async def _ready(self) -> PromptProcessor:
+        if self.cfg.scales_to_zero() and (self.prompts is None or not self.workers.replicas()):
+            await self._wait_for_worker()
         if self.prompts is None:
             raise APIError(503, "no Worker has loaded the model yet; retry shortly",
                            headers={"Retry-After": "1"})
@@ -220,11 +223,36 @@ class Router:
             raise APIError(503, "no healthy Worker replica", headers={"Retry-After": "1"})
         return self.prompts
 
+    async def _wait_for_worker(self) -> None:
+        """Hold requests while the Workers are scaled to zero, up to ``cold_start_timeout_s``.
+
+        A handle call queued for a deployment with no replica makes Serve start one at once
+        (its cold-start path); the call ends when that replica answers. Requests that arrive
+        meanwhile share the wait. After a timeout, ``_ready`` answers 503.
+        """
+        if self._waking is None or self._waking.done():
+            self._waking = asyncio.get_running_loop().create_task(
+                asyncio.wait_for(self._wake_worker(), self.cfg.cold_start_timeout_s))
+        try:
+            await asyncio.shield(self._waking)
+        except Exception as exc:  # timed out, or the Worker failed to start
+            logger.warning("no Worker came up for a held request: %r", exc)
+
+    async def _wake_worker(self) -> None:
+        while self.prompts is None or not self.workers.replicas():
+            if self.prompts is None:
+                await asyncio.shield(self._init_task)
+            else:
+                await self.workers.model_info()  # queued until a Worker replica runs
+                await asyncio.sleep(0.05)
+
     async def _healthy(self) -> bool:
         checked_at, ok = self._health
         if time.monotonic() - checked_at < 1.0:
             return ok
         ok = self.prompts is not None and bool(await self.workers.stats(timeout_s=2.0))
+        if self.prompts is not None and self.cfg.scales_to_zero() and not self.workers.replicas():
+            ok = True  # scaled to zero on purpose: the next request starts a Worker
         self._health = (time.monotonic(), ok)
         return ok
 
