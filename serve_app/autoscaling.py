@@ -27,7 +27,8 @@ The rule, with ``t`` the current target and ``d = downscale_threshold``:
 * **down** to ``max(ceil(queue / (d * target)), ceil(kv / (d * max_kv_usage)), 1)`` when that is
   below ``t``: fewer replicas would still hold the queue and the cache well under the bounds;
 * **zero** when ``min_replicas`` is 0 and nothing waited, ran or queued during the window;
-* **hold** at ``t`` otherwise.
+* **hold** at ``t`` otherwise, and while replicas are starting (fewer run than ``t``: the
+  missing reports say nothing about idleness or surplus).
 
 Time hysteresis is Serve's: its delay logic scales only after the same direction has been
 answered without a break for the delay, and a *hold* resets it. So replicas go down only after
@@ -64,7 +65,7 @@ class QueueDepthPolicy:
         self.target_queue = float(target_queue_per_replica)
         self.max_kv = float(max_kv_usage)
         self.threshold = float(downscale_threshold)
-        self._last_decision = ""
+        self._last_decision: tuple[str, int] = ("", -1)
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         load = Load.from_context(ctx)
@@ -72,8 +73,10 @@ class QueueDepthPolicy:
         decision, replicas = self.decide(load, current, ctx.capacity_adjusted_min_replicas)
         replicas = min(max(replicas, ctx.capacity_adjusted_min_replicas),
                        ctx.capacity_adjusted_max_replicas)
-        if decision != self._last_decision:
-            self._last_decision = decision
+        if replicas == current:
+            decision = "hold"  # e.g. 'up' at max_replicas
+        if (decision, replicas) != self._last_decision:  # log changes, not every tick
+            self._last_decision = (decision, replicas)
             logger.info("QueueDepthPolicy: %s %d -> %d (%s)", decision, current, replicas, load)
         state = dict(ctx.policy_state or {})
         state[STATE_KEY] = {"decision": decision, "desired": replicas, **load.as_dict()}
@@ -84,6 +87,8 @@ class QueueDepthPolicy:
         up = max(_ceil(load.queue / self.target_queue), _ceil(load.kv / self.max_kv))
         if up > current:
             return "up", up
+        if load.replicas < current:
+            return "hold", current  # replicas still starting: no reports from them yet
         if min_replicas == 0 and load.idle():
             return ("zero", 0) if current > 0 else ("hold", 0)
         down = max(_ceil(load.queue / (self.threshold * self.target_queue)),

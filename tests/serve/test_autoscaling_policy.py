@@ -102,8 +102,17 @@ def test_scales_to_zero_only_when_idle_and_allowed(policy):
     assert policy(ctx(waiting=[], queued=1.0, min_replicas=0, target=0))[0] == 1
 
 
+def test_no_scale_down_while_replicas_start(policy):
+    # target 2, one replica running and idle, one starting: wait for its reports
+    replicas, state = policy(ctx(waiting=[0.0], target=2, min_replicas=0))
+    assert (replicas, state[STATE_KEY]["decision"]) == (2, "hold")
+    assert policy(ctx(waiting=[], target=1, min_replicas=0))[0] == 1  # the first one starting
+
+
 def test_answers_stay_within_the_bounds(policy):
     assert policy(ctx(waiting=[400.0], max_replicas=4))[0] == 4
+    replicas, state = policy(ctx(waiting=[400.0] * 4, max_replicas=4))
+    assert (replicas, state[STATE_KEY]["decision"]) == (4, "hold")  # at the bound
     assert policy(ctx(waiting=[0.0, 0.0, 0.0], min_replicas=2))[0] == 2
 
 
