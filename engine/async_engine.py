@@ -22,6 +22,7 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 _RATE_WINDOW_S = 10.0
+_MAX_STEP_RECORDS = 4096  # per-step records kept until pop_step_records() drains them
 
 
 @dataclass
@@ -48,6 +49,8 @@ class AsyncEngine:
         self._stopping = False
         self._stats = self.engine.get_stats()
         self._rate: collections.deque[tuple[float, int]] = collections.deque()
+        self._steps: collections.deque[tuple[float, int]] = collections.deque(
+            maxlen=_MAX_STEP_RECORDS)
         self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
         self._thread.start()
 
@@ -100,6 +103,12 @@ class AsyncEngine:
         stats["output_tokens_per_s"] = sum(window) / _RATE_WINDOW_S
         return stats
 
+    def pop_step_records(self) -> list[tuple[float, int]]:
+        """``(duration_s, num_batched_tokens)`` of each step that ran since the last call, oldest
+        first (thread-safe; at most the last 4096 are kept)."""
+        steps = self._steps
+        return [steps.popleft() for _ in range(len(steps))]
+
     def shutdown(self) -> None:
         self._stopping = True
         self._wakeup.set()
@@ -146,6 +155,7 @@ class AsyncEngine:
 
     def _step(self) -> None:
         before = self.engine.generation_tokens_total
+        start, batched = time.monotonic(), self.engine.num_batched_tokens_total
         try:
             outputs = self.engine.step()
         except Exception as e:  # a failure inside the model: fail what was in flight
@@ -157,6 +167,8 @@ class AsyncEngine:
             self._deliver(rid, err)
         now = time.monotonic()
         self._rate.append((now, self.engine.generation_tokens_total - before))
+        if self.engine.num_batched_tokens_total != batched:
+            self._steps.append((now - start, self.engine.num_batched_tokens_total - batched))
         while self._rate and now - self._rate[0][0] > _RATE_WINDOW_S:
             self._rate.popleft()
         self._stats = self.engine.get_stats()

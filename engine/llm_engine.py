@@ -17,7 +17,7 @@ from engine.loader import resolve_dtype
 from engine.model_runner import ModelRunner
 from engine.models.hf_config import HFConfig
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.request import Request, RequestStatus
+from engine.request import Request, RequestStatus, group_metrics
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.tokenizer import eos_token_ids, load_tokenizer
@@ -69,6 +69,7 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_steps = 0
+        self.num_batched_tokens_total = 0  # tokens computed: prefill chunks + decode
         self.errors: list[tuple[str, Exception]] = []
 
     # ----------------------------------------------------------------- requests in
@@ -151,6 +152,7 @@ class LLMEngine:
         reqs, sampled = self.runner.execute(sched)
         self.scheduler.finish_step(sched)
         self.num_steps += 1
+        self.num_batched_tokens_total += sched.num_tokens
         touched: dict[str, _Group] = {}
         now = time.monotonic()
         for i, req in enumerate(reqs):
@@ -199,8 +201,9 @@ class LLMEngine:
                 continue
             outs.append(self._completion(g, seq, delta=kind == "delta"))
             g.sent_tokens[seq.index] = seq.num_output_tokens
+        metrics = group_metrics(g.seqs, time.monotonic()) if g.finished else {}
         return RequestOutput(g.request_id, g.prompt_token_ids, outs, g.finished, g.prompt,
-                             num_cached_tokens=g.seqs[0].num_cached_tokens)
+                             num_cached_tokens=g.seqs[0].num_cached_tokens, metrics=metrics)
 
     def _completion(self, g: _Group, seq: Request, delta: bool) -> CompletionOutput:
         start = g.sent_tokens[seq.index] if delta else 0
@@ -232,6 +235,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
+            "num_batched_tokens_total": self.num_batched_tokens_total,
         }
 
 

@@ -60,6 +60,7 @@ class Request:
         self.siblings: list[Request] = []  # on the parent: the others of its group
         self.parent: Request | None = None  # on a sibling: waits to share its prompt blocks
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.first_scheduled_time: float | None = None  # first admitted to a batch
         self.first_token_time: float | None = None
         self.num_preemptions = 0
 
@@ -100,3 +101,21 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, blocks={self.block_ids}, {self.status.value})")
+
+
+def group_metrics(seqs: list[Request], finished_time: float) -> dict[str, float]:
+    """Timings (``time.monotonic()`` seconds) and token counts of a finished request's sequences,
+    for ``RequestOutput.metrics``: the earliest first-scheduled and first-token times of the
+    ``n`` sequences, their generated tokens summed. A time is absent when it never happened (a
+    request aborted before it was scheduled or produced a token)."""
+    metrics = {"arrival_time": seqs[0].arrival_time, "finished_time": finished_time,
+               "num_prompt_tokens": float(seqs[0].num_prompt_tokens),
+               "num_generation_tokens": float(sum(s.num_output_tokens for s in seqs)),
+               "num_preemptions": float(sum(s.num_preemptions for s in seqs))}
+    scheduled = [s.first_scheduled_time for s in seqs if s.first_scheduled_time is not None]
+    if scheduled:
+        metrics["first_scheduled_time"] = min(scheduled)
+    first = [s.first_token_time for s in seqs if s.first_token_time is not None]
+    if first:
+        metrics["first_token_time"] = min(first)
+    return metrics

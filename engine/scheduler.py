@@ -10,6 +10,7 @@ longer than the budget is simply computed over several steps (chunked prefill).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -97,6 +98,8 @@ class Scheduler:
             if hits:
                 req.num_computed_tokens = req.num_cached_tokens = computed
             req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             self.running.append(req)
             out.scheduled.append((req, n))
             budget -= n
