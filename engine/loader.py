@@ -1,7 +1,9 @@
 """Checkpoint loading: safetensors, one file or sharded (``model.safetensors.index.json``).
 
-Every checkpoint tensor is handed to the ``weight_loader`` of the parameter it feeds, which takes
-this rank's shard. Nothing from the checkpoint folder is ever executed.
+Every checkpoint tensor is handed to the ``weight_loader`` of the parameter it feeds as a
+``TensorSlice``, still on disk: the loader reads only this rank's shard of it, so a
+tensor-parallel rank never materialises a full weight. Nothing from the checkpoint folder is ever
+executed.
 """
 
 from __future__ import annotations
@@ -15,6 +17,42 @@ from torch import nn
 from tqdm.auto import tqdm
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+class TensorSlice:
+    """A checkpoint tensor left in its safetensors file. ``narrow`` reads only the part asked
+    for; ``read`` reads it whole. Shaped like the tensor (``shape``, ``dim()``)."""
+
+    def __init__(self, handle, name: str):
+        self._slice = handle.get_slice(name)
+        self.shape = torch.Size(self._slice.get_shape())
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self._slice[(slice(None),) * dim + (slice(start, start + length),)]
+
+    def read(self) -> torch.Tensor:
+        return self._slice[:]
+
+
+Loaded = torch.Tensor | TensorSlice
+
+
+def as_tensor(loaded: Loaded) -> torch.Tensor:
+    return loaded if isinstance(loaded, torch.Tensor) else loaded.read()
+
+
+def shard(loaded: Loaded, dim: int, index: int, num_shards: int, size: int,
+          what: str = "weight") -> torch.Tensor:
+    """Part ``index`` of ``num_shards`` equal parts of ``loaded`` along ``dim``, each ``size``
+    long; ``ValueError`` when the checkpoint's extent along ``dim`` is not ``size * num_shards``."""
+    if loaded.shape[dim] != size * num_shards:
+        expected = (*loaded.shape[:dim], size * num_shards, *loaded.shape[dim + 1:])
+        raise ValueError(f"{what}: expected shape {expected}, checkpoint gives "
+                         f"{tuple(loaded.shape)}")
+    return loaded.narrow(dim, index * size, size)
 
 
 def safetensors_files(folder: str | Path) -> list[Path]:
@@ -64,9 +102,12 @@ def load_weights(model: nn.Module, folder: str | Path, progress: bool = True) ->
                 param = params.get(target)
                 if param is None:
                     continue  # tensors the architecture does not use
-                loader = getattr(param, "weight_loader", default_weight_loader)
+                loader = getattr(param, "weight_loader", None)
                 try:
-                    loader(param, f.get_tensor(name), shard_id)
+                    if loader is None:
+                        default_weight_loader(param, f.get_tensor(name))
+                    else:
+                        loader(param, TensorSlice(f, name), shard_id)
                 except ValueError as e:
                     raise ValueError(f"{path.name}: tensor {name}: {e}") from None
                 loaded.add(target if shard_id is None else f"{target}#{shard_id}")
@@ -75,12 +116,12 @@ def load_weights(model: nn.Module, folder: str | Path, progress: bool = True) ->
     _check_complete(model, params, packed, loaded)
 
 
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+def default_weight_loader(param: nn.Parameter, loaded: Loaded, shard_id=None) -> None:
     """For unsharded parameters (norm weights): copy the whole tensor."""
     if param.shape != loaded.shape:
         raise ValueError(f"expected shape {tuple(param.shape)}, checkpoint gives "
                          f"{tuple(loaded.shape)}")
-    param.data.copy_(loaded)
+    param.data.copy_(as_tensor(loaded))
 
 
 def _check_complete(model: nn.Module, params: dict, packed: dict, loaded: set[str]) -> None:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import all_reduce, divide, gather_last_dim, tp_rank, tp_size
+from engine.loader import Loaded, as_tensor, shard
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -18,12 +19,12 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.shard_size, hidden), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        shard = loaded.narrow(0, self.start, self.shard_size)
-        if shard.shape != param.shape:
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id=None) -> None:
+        part = shard(loaded, 0, tp_rank(), tp_size(), self.shard_size, "embedding")
+        if part.shape != param.shape:
             raise ValueError(f"embedding: expected shape {tuple(param.shape)}, checkpoint gives "
-                             f"{tuple(shard.shape)}")
-        param.data.copy_(shard)
+                             f"{tuple(part.shape)}")
+        param.data.copy_(as_tensor(part))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if tp_size() == 1:

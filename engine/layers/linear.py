@@ -1,5 +1,6 @@
-"""Tensor-parallel linear layers. Each owns its weight loader: it is handed a full checkpoint
-tensor (and, for packed layers, which part it is) and copies in this rank's shard.
+"""Tensor-parallel linear layers. Each owns its weight loader: it is handed a checkpoint tensor
+(a ``TensorSlice`` still on disk, or a tensor) and, for packed layers, which part it is, and
+reads in this rank's shard only.
 
 - ``ColumnParallelLinear``: output features split across ranks (no communication).
 - ``MergedColumnParallelLinear``: several column-parallel outputs packed in one matmul (gate/up).
@@ -14,13 +15,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import all_reduce, divide, tp_rank, tp_size
+from engine.loader import Loaded, as_tensor, shard
 
 
-def _copy_checked(param: nn.Parameter, shard: torch.Tensor, name: str) -> None:
-    if param.shape != shard.shape:
+def _copy_checked(param: torch.Tensor, part: Loaded, name: str) -> None:
+    if param.shape != part.shape:
         raise ValueError(f"{name}: expected shape {tuple(param.shape)}, checkpoint gives "
-                         f"{tuple(shard.shape)}")
-    param.data.copy_(shard)
+                         f"{tuple(part.shape)}")
+    param.data.copy_(as_tensor(part))
 
 
 class LinearBase(nn.Module):
@@ -35,11 +37,10 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id=None) -> None:
         dim = self.shard_dim
         if dim is not None and not (dim == 1 and loaded.dim() == 1):  # row-parallel bias: whole
-            size = param.shape[dim]
-            loaded = loaded.narrow(dim, tp_rank() * size, size)
+            loaded = shard(loaded, dim, tp_rank(), tp_size(), param.shape[dim])
         _copy_checked(param, loaded, "weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -63,12 +64,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id=None) -> None:
         tp = tp_size()
         offset = sum(self.output_sizes[:shard_id]) // tp
         size = self.output_sizes[shard_id] // tp
         target = param.data.narrow(0, offset, size)
-        _copy_checked(target, loaded.narrow(0, tp_rank() * size, size), f"part {shard_id}")
+        part = shard(loaded, 0, tp_rank(), tp, size, f"part {shard_id}")
+        _copy_checked(target, part, f"part {shard_id}")
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -86,12 +88,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         LinearBase.__init__(self, hidden, out, bias, 0)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id=None) -> None:
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
-        rank = tp_rank() if shard_id == "q" else tp_rank() // self.num_kv_replicas
+        tp, replicas = tp_size(), (1 if shard_id == "q" else self.num_kv_replicas)
         target = param.data.narrow(0, offset, size)
-        _copy_checked(target, loaded.narrow(0, rank * size, size), f"{shard_id}_proj")
+        part = shard(loaded, 0, tp_rank() // replicas, tp // replicas, size, f"{shard_id}_proj")
+        _copy_checked(target, part, f"{shard_id}_proj")
 
 
 class RowParallelLinear(LinearBase):
