@@ -103,6 +103,13 @@ class AsyncEngine:
         stats["output_tokens_per_s"] = sum(window) / _RATE_WINDOW_S
         return stats
 
+    def check_health(self) -> None:
+        """Raise when no request can be served: the loop has stopped, or a tensor-parallel rank
+        has (``TensorParallelError``)."""
+        if not self.is_running:
+            raise EngineDeadError("the engine's step loop has stopped")
+        self.engine.check_health()
+
     def pop_step_records(self) -> list[tuple[float, int]]:
         """``(duration_s, num_batched_tokens)`` of each step that ran since the last call, oldest
         first (thread-safe; at most the last 4096 are kept)."""
@@ -110,9 +117,12 @@ class AsyncEngine:
         return [steps.popleft() for _ in range(len(steps))]
 
     def shutdown(self) -> None:
+        """Stop the loop (which then stops any tensor-parallel ranks)."""
         self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout=30)
+        if self._thread.is_alive():  # stuck in a step: kill the ranks rather than message them
+            self.engine.shutdown(send_exit=False)
 
     # ----------------------------------------------------------------- the loop thread
     def _send(self, msg: tuple) -> None:
@@ -130,6 +140,7 @@ class AsyncEngine:
                 self._step()
         finally:
             self._fail_all(EngineDeadError("the engine has stopped"))
+            self.engine.shutdown()
 
     def _drain_inbox(self) -> None:
         while True:
@@ -162,6 +173,8 @@ class AsyncEngine:
             for rid in list(self.engine.groups):
                 self.engine.abort(rid)
                 self._deliver(rid, RuntimeError(f"engine step failed: {e!r}"))
+            if self.engine.failed is not None:  # a tensor-parallel rank is gone: stop serving
+                self._stopping = True
             return
         for rid, err in self.engine.pop_errors():
             self._deliver(rid, err)

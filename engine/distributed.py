@@ -1,14 +1,26 @@
-"""Tensor-parallel process-group helpers.
+"""Tensor-parallel process groups and collectives.
 
-With one rank (the default) every collective is the identity, so layers can be written
-tensor-parallel-ready and still run as plain layers. ``torch.distributed`` with NCCL (CUDA) or
-gloo (CPU) backs them when a group has been initialised.
+With one rank (the default) no group exists and every collective is the identity, so layers are
+written tensor-parallel-ready and still run as plain layers. With N ranks, rank 0 opens a
+``TCPStore`` on a free port, ranks 1..N-1 connect to it, and all join one ``torch.distributed``
+group: NCCL on CUDA, gloo on the CPU. Step metadata always travels over gloo (a CPU group of its
+own next to NCCL), so ranks idle between steps without NCCL's watchdog firing. One group per
+process: a process runs at most one tensor-parallel engine at a time.
 """
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
+
+# Ranks 1..N-1 wait for the next step for as long as the engine idles; a dead peer still fails
+# a collective at once (its sockets close), so this bound only covers a peer that hangs.
+IDLE_TIMEOUT = timedelta(days=365)
+STORE_TIMEOUT = timedelta(minutes=10)
+
+_cpu_group: dist.ProcessGroup | None = None
 
 
 def tp_rank() -> int:
@@ -35,9 +47,70 @@ def gather_last_dim(x: torch.Tensor) -> torch.Tensor | None:
     return torch.cat(parts, dim=-1) if parts is not None else None
 
 
+def all_reduce_min(value: int, device: torch.device) -> int:
+    """The smallest of every rank's ``value`` (on the device group, so NCCL starts here)."""
+    if tp_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def broadcast_cpu(t: torch.Tensor) -> None:
+    """Broadcast a CPU tensor from rank 0 into ``t`` on every rank, over gloo."""
+    dist.broadcast(t, src=0, group=_cpu_group)
+
+
 def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(
             f"{what} ({numerator}) is not divisible by tensor_parallel_size ({denominator})"
         )
     return numerator // denominator
+
+
+def check_tp_sizes(num_heads: int, num_kv_heads: int, vocab_size: int, tp: int) -> None:
+    """``ValueError`` naming the numbers when a model cannot be split ``tp`` ways."""
+    divide(num_heads, tp, "num_attention_heads")
+    divide(vocab_size, tp, "vocab_size")
+    if num_kv_heads >= tp:
+        divide(num_kv_heads, tp, "num_key_value_heads")
+    elif tp % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size ({tp}) is not a multiple of "
+                         f"num_key_value_heads ({num_kv_heads}), so KV heads cannot be replicated")
+
+
+def master_store(host: str, world_size: int) -> dist.TCPStore:
+    """Rank 0's rendezvous store on a free port (``store.port``)."""
+    return dist.TCPStore(host, 0, world_size, is_master=True, timeout=STORE_TIMEOUT,
+                         wait_for_workers=False)
+
+
+def client_store(host: str, port: int, world_size: int) -> dist.TCPStore:
+    return dist.TCPStore(host, port, world_size, is_master=False, timeout=STORE_TIMEOUT)
+
+
+def init_tp_group(store: dist.Store, rank: int, world_size: int, device: torch.device) -> None:
+    """Join the tensor-parallel group (all ranks call this with the same store)."""
+    global _cpu_group
+    if dist.is_initialized():
+        raise RuntimeError("a torch.distributed group is already initialised in this process; "
+                           "one tensor-parallel engine per process (shut the other down first)")
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size,
+                                device_id=device)
+        _cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    else:
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=IDLE_TIMEOUT)
+        _cpu_group = dist.group.WORLD
+
+
+def destroy_tp_group() -> None:
+    global _cpu_group
+    _cpu_group = None
+    if dist.is_initialized():
+        dist.destroy_process_group()

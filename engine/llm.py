@@ -16,12 +16,20 @@ from engine.sampling_params import SamplingParams
 
 class LLM:
     """Offline generation. Keyword arguments are ``EngineConfig`` fields, flat
-    (``LLM(model=path, dtype="bfloat16", max_model_len=2048, enable_prefix_caching=True)``)."""
+    (``LLM(model=path, dtype="bfloat16", max_model_len=2048, enable_prefix_caching=True)``).
+
+    With ``tensor_parallel_size=N`` it spawns N-1 rank processes (one device each on CUDA), so a
+    script that builds it needs the ``if __name__ == "__main__":`` guard; ``shutdown()`` (or
+    dropping the object, or the interpreter exiting) stops them."""
 
     def __init__(self, model: str | None = None, **kwargs):
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
         self.engine = LLMEngine(self.config)
         self._counter = 0
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel rank processes, if any; no generation afterwards."""
+        self.engine.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -90,8 +98,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     args = parser.parse_args()
-    llm = LLM(args.model, dtype=args.dtype)
+    llm = LLM(args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
     prompts = args.prompt or ["Hello, my name is"]
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     for out in llm.generate(prompts, sp):

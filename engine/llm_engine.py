@@ -1,17 +1,26 @@
 """``LLMEngine``: the synchronous core. ``add_request`` queues, ``step`` runs one batch and
-returns what changed, ``abort`` drops a request and frees its blocks."""
+returns what changed, ``abort`` drops a request and frees its blocks.
+
+With ``tensor_parallel_size`` N > 1 this process is rank 0: it schedules and samples, and starts
+ranks 1..N-1 (``engine.tp_ranks``) that hold the other shards of the model; ``shutdown`` stops
+them. With N = 1 there is no process group and no other process.
+"""
 
 from __future__ import annotations
 
+import atexit
 import os
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.config import EngineConfig
 from engine.detokenizer import TextStream
+from engine.distributed import check_tp_sizes, tp_size
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import resolve_dtype
 from engine.model_runner import ModelRunner
@@ -21,6 +30,9 @@ from engine.request import Request, RequestStatus, group_metrics
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.tokenizer import eos_token_ids, load_tokenizer
+
+if TYPE_CHECKING:
+    from engine.tp_ranks import RankGroup, RankLauncher
 
 PromptType = str | Sequence[int] | dict
 
@@ -43,8 +55,15 @@ class _Group:
         return all(s.finished for s in self.seqs)
 
 
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank failed or a step broke off half-way: the engine cannot step."""
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, progress: bool = True, **kwargs):
+    def __init__(self, config: EngineConfig | None = None, progress: bool = True,
+                 rank_launcher: RankLauncher | None = None, **kwargs):
+        """``rank_launcher`` starts ranks 1..N-1 when ``tensor_parallel_size`` N > 1 (default:
+        spawned local processes, one device each)."""
         self.config = config = config or EngineConfig.from_kwargs(**kwargs)
         from engine.default_model import DEFAULT_MODEL_NAME, default_model_path
 
@@ -52,16 +71,28 @@ class LLMEngine:
         self.model_name = config.model.model or DEFAULT_MODEL_NAME
         self.hf = HFConfig.load(model_path)
         self.device = _resolve_device(config.device.device)
+        tp = config.parallel.tensor_parallel_size
         if self.device.type == "cpu":
-            torch.set_num_threads(config.device.num_threads or os.cpu_count() or 1)
-        if config.parallel.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet (accepted: 1)")
+            torch.set_num_threads(config.device.num_threads or max(1, (os.cpu_count() or 1) // tp))
+        if tp > 1:
+            check_tp_sizes(self.hf.num_heads, self.hf.num_kv_heads, self.hf.vocab_size, tp)
+        elif tp_size() != 1:
+            raise RuntimeError("a tensor-parallel engine runs in this process; shut it down "
+                               "before starting another engine here (one per process)")
+        self.ranks: RankGroup | None = None
+        self.failed: BaseException | None = None  # why a tensor-parallel step broke off
         self.max_model_len = _resolve_max_model_len(config.model.max_model_len, self.hf)
         self.tokenizer = load_tokenizer(model_path)
         self.eos_token_ids = frozenset(eos_token_ids(model_path, self.hf, self.tokenizer))
         dtype = resolve_dtype(config.model.dtype, self.hf.torch_dtype, self.device)
-        self.runner = ModelRunner(config, self.hf, model_path, self.device, dtype,
-                                  self.max_model_len, progress)
+        if tp > 1:
+            self._start_ranks(rank_launcher, model_path, dtype)
+        try:
+            self.runner = ModelRunner(config, self.hf, model_path, self.device, dtype,
+                                      self.max_model_len, progress)
+        except BaseException:
+            self.shutdown(send_exit=False)
+            raise
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
@@ -71,6 +102,47 @@ class LLMEngine:
         self.num_steps = 0
         self.num_batched_tokens_total = 0  # tokens computed: prefill chunks + decode
         self.errors: list[tuple[str, Exception]] = []
+
+    def _start_ranks(self, launcher: RankLauncher | None, model_path: str,
+                     dtype: torch.dtype) -> None:
+        from engine.tp_ranks import ProcessLauncher, RankGroup
+
+        self.ranks = RankGroup.start(
+            launcher or ProcessLauncher(), self.config.parallel.tensor_parallel_size,
+            self.device, config=self.config, model_path=model_path,
+            dtype=str(dtype).removeprefix("torch."), max_model_len=self.max_model_len)
+        atexit.register(_shutdown_at_exit, weakref.ref(self))
+
+    def check_health(self) -> None:
+        """Raise ``TensorParallelError`` when a rank has stopped or a step broke the group."""
+        if self.failed is not None:
+            raise TensorParallelError(f"a tensor-parallel step failed: {self.failed!r}")
+        if self.ranks is not None:
+            try:
+                self.ranks.check()
+            except RuntimeError as e:
+                raise TensorParallelError(str(e)) from None
+
+    def shutdown(self, send_exit: bool = True) -> None:
+        """Stop ranks 1..N-1 (idempotent; nothing to do with one rank). Pass
+        ``send_exit=False`` when a step may be running in another thread: the ranks are then
+        killed instead of being told to exit."""
+        ranks, self.ranks = self.ranks, None
+        if ranks is None:
+            return
+        atexit.unregister(_shutdown_at_exit)
+        runner = getattr(self, "runner", None)
+        told = send_exit and runner is not None and not runner.tp_broken and self.failed is None
+        if told:
+            try:
+                runner.send_exit()
+            except Exception:  # a rank is already gone: stop() kills the rest
+                told = False
+        ranks.stop(timeout_s=30.0 if told else 0.0)
+
+    def __del__(self) -> None:
+        if getattr(self, "ranks", None) is not None:
+            self.shutdown()
 
     # ----------------------------------------------------------------- requests in
     def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -149,7 +221,16 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
-        reqs, sampled = self.runner.execute(sched)
+        if self.failed is not None:
+            raise TensorParallelError(f"a tensor-parallel step failed: {self.failed!r}")
+        try:
+            reqs, sampled = self.runner.execute(sched)
+        except BaseException as e:
+            if self.runner.tp_broken:  # the ranks are out of step: no further step can run
+                self.failed = e
+                if isinstance(e, Exception):  # Ctrl-C stays a KeyboardInterrupt
+                    raise TensorParallelError(f"a tensor-parallel step failed: {e!r}") from e
+            raise
         self.scheduler.finish_step(sched)
         self.num_steps += 1
         self.num_batched_tokens_total += sched.num_tokens
@@ -237,6 +318,12 @@ class LLMEngine:
             "generation_tokens_total": self.generation_tokens_total,
             "num_batched_tokens_total": self.num_batched_tokens_total,
         }
+
+
+def _shutdown_at_exit(ref: weakref.ref) -> None:
+    engine = ref()
+    if engine is not None:
+        engine.shutdown()
 
 
 def _resolve_device(name: str) -> torch.device:
