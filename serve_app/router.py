@@ -25,6 +25,7 @@ from ray.serve.handle import DeploymentHandle
 from serve_app.batcher import DynamicBatcher, EngineRequest
 from serve_app.config import AppConfig
 from serve_app.errors import APIError, install_handlers
+from serve_app.metrics import RouterMetrics, install_http_metrics
 from serve_app.prompts import PromptProcessor
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from serve_app.responses import SSE_DONE, ChatFormat, CompletionFormat, sse
@@ -37,6 +38,7 @@ REPLICA_HEADER = "x-pagedserve-replica"
 
 api = FastAPI(title="pagedserve", description="OpenAI-compatible LLM serving on Ray Serve.")
 install_handlers(api)
+install_http_metrics(api)
 
 
 # Module-level helpers go above the class: serve.ingress snapshots the module's globals when it
@@ -52,8 +54,9 @@ class Router:
         self.cfg = config
         self._api_key = config.resolved_api_key()
         self.workers = WorkerClient(worker)
-        self.batcher = DynamicBatcher(self.workers.run_batch, config.max_batch_size,
-                                      config.batch_wait_ms / 1000.0)
+        self.metrics = RouterMetrics.for_replica(config)
+        self.batcher = DynamicBatcher(self.metrics.count_batches(self.workers.run_batch),
+                                      config.max_batch_size, config.batch_wait_ms / 1000.0)
         self.prompts: PromptProcessor | None = None
         self._active: set[EngineRequest] = set()
         self._counters = {"requests_total": 0, "rejected_429_total": 0}
@@ -263,6 +266,7 @@ class Router:
         self._counters["requests_total"] += 1
         if self._num_waiting() + num_prompts > self.cfg.max_waiting_requests:
             self._counters["rejected_429_total"] += 1
+            self.metrics.rejected("queue_full")
             retry = max(1, math.ceil(self._ttft_ewma_s))
             raise APIError(429, f"the server is busy ({self._num_waiting()} requests waiting); "
                            f"retry after {retry}s", headers={"Retry-After": str(retry)})

@@ -23,6 +23,7 @@ from typing import Any
 from ray import serve
 
 from serve_app.config import AppConfig
+from serve_app.metrics import WorkerMetrics
 
 logger = logging.getLogger("ray.serve")
 
@@ -46,6 +47,7 @@ class Worker:
             engine_cfg.device.num_threads = config.worker_threads()
         self.engine = AsyncEngine(engine_cfg)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.metrics = WorkerMetrics.for_replica(self.engine, config)
         self._pumps: dict[str, asyncio.Task] = {}  # request id -> task streaming it
         self.requests_total = 0
         self.aborted_total = 0  # requests stopped here by an abort control call
@@ -88,7 +90,8 @@ class Worker:
         put = queue.put_nowait
         cached = 0
         try:
-            async for out in self.engine.generate(request_id, prompt_token_ids, params):
+            outputs = self.engine.generate(request_id, prompt_token_ids, params)
+            async for out in self.metrics.track(outputs):
                 cached = out.num_cached_tokens
                 for co in out.outputs:
                     if co.token_ids or co.finish_reason:
