@@ -1,0 +1,229 @@
+"""The pagedserve Grafana dashboard, built as code with ``grafana-foundation-sdk``.
+
+Every query reads the series Ray's metrics export serves (``serve_app/metrics.py`` for the
+``ray_pagedserve_*`` ones, Ray Serve's own ``ray_serve_*``), selected by the ``model_name`` and
+``replica`` variables (Serve panels by ``application``), through a Prometheus data-source
+variable whose default is the data source ``python -m deploy.grafana`` provisions.
+
+Histograms are shown as quantiles of their buckets, never as ``_sum / _count`` means: Ray's
+exporter (2.60) reports a histogram's ``_sum`` as an estimate from its bucket midpoints.
+
+    python -m deploy.grafana.dashboard [PATH]   # write the JSON (default: pagedserve.json here)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from grafana_foundation_sdk.builders import dashboard as dash
+from grafana_foundation_sdk.builders import prometheus, timeseries
+from grafana_foundation_sdk.builders.common import VizLegendOptions
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models.common import LegendDisplayMode, LegendPlacement
+from grafana_foundation_sdk.models.dashboard import (
+    DataSourceRef,
+    VariableOption,
+    VariableRefresh,
+    VariableSort,
+)
+
+UID = "pagedserve"
+TITLE = "pagedserve"
+DATASOURCE_UID = "pagedserve-prometheus"  # the data source provisioning creates
+DATASOURCE_NAME = "pagedserve-prometheus"
+JSON_PATH = Path(__file__).with_name("pagedserve.json")
+
+RATE = "[$__rate_interval]"
+ENGINE = '{model_name=~"$model_name", replica=~"$replica"}'
+ROUTER = '{model_name=~"$model_name"}'
+WORKERS = '{deployment="Worker", application=~"$application"}'
+QUANTILES = (0.5, 0.9, 0.99)
+
+_DS = DataSourceRef(type_val="prometheus", uid="${datasource}")
+
+
+def m(name: str) -> str:
+    """The exported name of a pagedserve metric."""
+    return f"ray_pagedserve_{name}"
+
+
+# ---- queries ------------------------------------------------------------------------------------
+
+def rate(metric: str, selector: str, by: str = "") -> str:
+    grouping = f" by ({by})" if by else ""
+    return f"sum{grouping} (rate({metric}{selector}{RATE}))"
+
+
+def quantile(q: float, metric: str, selector: str) -> str:
+    return f"histogram_quantile({q}, sum by (le) (rate({metric}_bucket{selector}{RATE})))"
+
+
+def quantile_targets(metric: str, selector: str) -> list[tuple[str, str]]:
+    return [(quantile(q, metric, selector), f"p{round(q * 100)}") for q in QUANTILES]
+
+
+# ---- panels -------------------------------------------------------------------------------------
+
+def panel(title: str, targets: list[tuple[str, str]], unit: str = "short", width: int = 8,
+          description: str = "", max_val: float | None = None) -> timeseries.Panel:
+    p = (timeseries.Panel().title(title).description(description).unit(unit).min(0)
+         .datasource(_DS).span(width).height(8).fill_opacity(10).line_width(1)
+         .legend(VizLegendOptions().display_mode(LegendDisplayMode.LIST)
+                 .placement(LegendPlacement.BOTTOM).show_legend(True)))
+    if max_val is not None:
+        p = p.max(max_val)
+    for i, (expr, legend) in enumerate(targets):
+        p = p.with_target(prometheus.Dataquery().expr(expr).legend_format(legend)
+                          .ref_id(chr(ord("A") + i)).datasource(_DS))
+    return p
+
+
+def throughput_panels() -> list[timeseries.Panel]:
+    return [
+        panel("Tokens / s", [(rate(m("prompt_tokens_total"), ENGINE, "model_name"),
+                              "prompt {{model_name}}"),
+                             (rate(m("generation_tokens_total"), ENGINE, "model_name"),
+                              "generation {{model_name}}")],
+              description="Prompt tokens added and tokens generated per second."),
+        panel("Finished requests / s", [(rate(m("request_success_total"), ENGINE,
+                                              "finished_reason"), "{{finished_reason}}")],
+              unit="reqps", description="By finish reason: stop, length, abort."),
+        panel("HTTP responses / s", [(rate(m("http_requests_total"), ROUTER, "status"),
+                                      "{{status}}")],
+              unit="reqps", description="Router responses by status code."),
+    ]
+
+
+def latency_panels() -> list[timeseries.Panel]:
+    specs = [("Time to first token", "time_to_first_token_seconds"),
+             ("Inter-token latency", "inter_token_latency_seconds"),
+             ("End-to-end latency", "e2e_request_latency_seconds"),
+             ("Queue time", "request_queue_time_seconds")]
+    return [panel(title, quantile_targets(m(name), ENGINE), unit="s", width=6)
+            for title, name in specs]
+
+
+def engine_panels() -> list[timeseries.Panel]:
+    hits = rate(m("prefix_cache_hits_total"), ENGINE)
+    queries = rate(m("prefix_cache_queries_total"), ENGINE)
+    return [
+        panel("Requests running and waiting",
+              [(f'sum by (replica) ({m("num_requests_running")}{ENGINE})', "running {{replica}}"),
+               (f'sum by (replica) ({m("num_requests_waiting")}{ENGINE})', "waiting {{replica}}")]),
+        panel("KV-cache usage", [(f'max by (replica) ({m("kv_cache_usage_perc")}{ENGINE})',
+                                  "{{replica}}")], unit="percentunit", max_val=1),
+        panel("Prefix-cache hit rate", [(f"{hits} / {queries}", "hit rate")],
+              unit="percentunit", max_val=1,
+              description="Prompt tokens found in the prefix cache / prompt tokens looked up."),
+        panel("Preemptions / s", [(rate(m("num_preemptions_total"), ENGINE, "replica"),
+                                   "{{replica}}")]),
+        panel("Engine step time", quantile_targets(m("iteration_duration_seconds"), ENGINE),
+              unit="s"),
+        panel("Tokens per step", quantile_targets(m("iteration_tokens_total"), ENGINE),
+              description="Prefill and decode tokens computed in one engine step."),
+    ]
+
+
+def router_panels() -> list[timeseries.Panel]:
+    return [
+        panel("Router batch size", quantile_targets(m("router_batch_size"), ROUTER),
+              description="Requests per batch sent to a Worker."),
+        panel("Batches / s", [(rate(m("router_batch_size_count"), ROUTER, "replica"),
+                               "{{replica}}")], unit="reqps"),
+        panel("Rejected (429) / s", [(rate(m("router_requests_rejected_total"), ROUTER, "cause"),
+                                      "{{cause}}")], unit="reqps",
+              description="Requests refused with 429, by cause."),
+    ]
+
+
+def serve_panels() -> list[timeseries.Panel]:
+    return [
+        panel("Worker replicas",
+              [(f"sum by (application) (ray_serve_deployment_replica_healthy{WORKERS})",
+                "healthy {{application}}"),
+               (f"max by (application) (ray_serve_autoscaling_target_replicas{WORKERS})",
+                "target {{application}}"),
+               (f"max by (application) (ray_serve_autoscaling_desired_replicas{WORKERS})",
+                "policy decision {{application}}")],
+              width=12, description="Healthy replicas, Serve's target, and the autoscaling "
+              "policy's raw decision before min/max bounds."),
+        panel("Autoscaling input",
+              [(f"max by (application) (ray_serve_autoscaling_total_requests{WORKERS})",
+                "requests seen {{application}}")],
+              width=12, description="The load the autoscaler saw at its last decision."),
+    ]
+
+
+# ---- variables and the dashboard ---------------------------------------------------------------
+
+def label_variable(name: str, label: str, query: str) -> dash.QueryVariable:
+    return (dash.QueryVariable(name).label(label).query(query).datasource(_DS)
+            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
+            .multi(True).include_all(True).all_value(".*")
+            .current(VariableOption(selected=True, text="All", value="$__all")))
+
+
+def variables() -> list[Any]:
+    return [
+        dash.DatasourceVariable("datasource").label("Data source").type("prometheus")
+        .current(VariableOption(selected=True, text=DATASOURCE_NAME, value=DATASOURCE_UID)),
+        label_variable("model_name", "Model",
+                       f'label_values({m("num_requests_running")}, model_name)'),
+        label_variable("replica", "Worker replica",
+                       f'label_values({m("num_requests_running")}{{model_name=~"$model_name"}}, '
+                       "replica)"),
+        label_variable("application", "Serve application",
+                       'label_values(ray_serve_deployment_replica_healthy{deployment="Worker"}, '
+                       "application)"),
+    ]
+
+
+ROWS = [("Throughput", throughput_panels), ("Latency", latency_panels),
+        ("Scheduler and KV cache", engine_panels), ("Router", router_panels),
+        ("Replicas and autoscaling (Ray Serve)", serve_panels)]
+
+
+def build() -> dash.Dashboard:
+    d = (dash.Dashboard(TITLE).uid(UID).tags(["pagedserve", "llm", "ray-serve"])
+         .description("pagedserve: throughput, latency, scheduler, KV cache, router and "
+                      "replicas. Generated by deploy/grafana/dashboard.py.")
+         .refresh("10s").time("now-1h", "now").editable())
+    for v in variables():
+        d = d.with_variable(v)
+    next_id = 1
+    for title, make in ROWS:
+        d = d.with_row(dash.Row(title).id(next_id))
+        for p in make():
+            next_id += 1
+            d = d.with_panel(p.id(next_id))
+        next_id += 1
+    return d
+
+
+def dashboard_json() -> dict[str, Any]:
+    """The dashboard model as Grafana's HTTP API takes it."""
+    return json.loads(json.dumps(build().build(), cls=JSONEncoder))
+
+
+def expressions(model: dict[str, Any] | None = None) -> list[str]:
+    """Every PromQL expression of the panels, then each variable's query."""
+    model = model or dashboard_json()
+    exprs = [t["expr"] for p in model["panels"] for t in p.get("targets") or []]
+    return exprs + [v["query"] for v in model["templating"]["list"] if v["type"] == "query"]
+
+
+def render() -> str:
+    return json.dumps(dashboard_json(), indent=2, sort_keys=True) + "\n"
+
+
+def main(argv: list[str]) -> None:
+    path = Path(argv[0]) if argv else JSON_PATH
+    path.write_text(render())
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
