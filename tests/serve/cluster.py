@@ -46,8 +46,9 @@ def free_port() -> int:
 
 
 @contextmanager
-def local_ray(num_cpus: int = 8):
-    """One local Ray cluster on 127.0.0.1 with Serve's HTTP proxy on a free port."""
+def local_ray(num_cpus: int = 8, **init_kwargs):
+    """One local Ray cluster on 127.0.0.1 with Serve's HTTP proxy on a free port
+    (``init_kwargs`` go to ``ray.init``)."""
     import ray
     from ray import serve
 
@@ -55,7 +56,7 @@ def local_ray(num_cpus: int = 8):
         p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     temp_dir = tempfile.mkdtemp(prefix="rt-", dir="/tmp")
     ray.init(address="local", num_cpus=num_cpus, _temp_dir=temp_dir, include_dashboard=False,
-             log_to_driver=False)
+             log_to_driver=False, **init_kwargs)
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
