@@ -45,7 +45,7 @@ class Worker:
         if engine_cfg.device.num_threads is None and not config.use_gpu():
             engine_cfg = engine_cfg.model_copy(deep=True)
             engine_cfg.device.num_threads = config.worker_threads()
-        self.engine = AsyncEngine(engine_cfg)
+        self.engine = AsyncEngine(engine_cfg, rank_launcher=_rank_launcher(config))
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.metrics = WorkerMetrics.for_replica(self.engine, config)
         self._pumps: dict[str, asyncio.Task] = {}  # request id -> task streaming it
@@ -158,6 +158,7 @@ class Worker:
     def check_health(self) -> None:
         if not getattr(self.engine, "is_running", True):
             raise RuntimeError("the engine's step loop has stopped")
+        self.engine.check_health()  # fails when a tensor-parallel rank actor has died
 
     def __del__(self) -> Awaitable[None] | None:
         """Stop the engine. Serve calls this when it removes the replica and awaits the result.
@@ -184,6 +185,18 @@ class Worker:
             logger.warning("Worker stops with %d batches unfinished after %.0fs",
                            self.batches_running, self.drain_timeout_s)
         engine.shutdown()
+
+
+def _rank_launcher(config: AppConfig) -> Any:
+    """Starts tensor-parallel ranks 1..N-1 as Ray actors in this replica's placement group
+    (None with one rank)."""
+    if config.engine.parallel.tensor_parallel_size == 1:
+        return None
+    from serve_app.tp_ranks import RayRankLauncher
+
+    replica = serve.get_replica_context().replica_id.unique_id
+    return RayRankLauncher(f"pagedserve-tp-{replica}", num_cpus=config.worker_num_cpus,
+                           num_gpus=1 if config.use_gpu() else 0)
 
 
 def _has_running_loop() -> bool:
