@@ -93,7 +93,13 @@ def prometheus(cluster, tmp_path_factory):
                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: httpx.get(f"{url}/-/ready").status_code == 200, 30, "prometheus ready")
+        try:
+            wait_until(lambda: httpx.get(f"{url}/-/ready").status_code == 200, 30,
+                       "prometheus ready")
+        except TimeoutError:
+            log.flush()
+            pytest.fail(f"prometheus did not start; its log ends with:\n"
+                        f"{(tmp / 'prometheus.log').read_text()[-2000:]}", pytrace=False)
         yield url
     finally:
         proc.terminate()
