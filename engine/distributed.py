@@ -69,10 +69,12 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-def check_tp_sizes(num_heads: int, num_kv_heads: int, vocab_size: int, tp: int) -> None:
+def check_tp_sizes(tp: int, *, num_heads: int, num_kv_heads: int, vocab_size: int,
+                   intermediate_size: int) -> None:
     """``ValueError`` naming the numbers when a model cannot be split ``tp`` ways."""
     divide(num_heads, tp, "num_attention_heads")
     divide(vocab_size, tp, "vocab_size")
+    divide(intermediate_size, tp, "intermediate_size")
     if num_kv_heads >= tp:
         divide(num_kv_heads, tp, "num_key_value_heads")
     elif tp % num_kv_heads:

@@ -75,7 +75,9 @@ class LLMEngine:
         if self.device.type == "cpu":
             torch.set_num_threads(config.device.num_threads or max(1, (os.cpu_count() or 1) // tp))
         if tp > 1:
-            check_tp_sizes(self.hf.num_heads, self.hf.num_kv_heads, self.hf.vocab_size, tp)
+            hf = self.hf
+            check_tp_sizes(tp, num_heads=hf.num_heads, num_kv_heads=hf.num_kv_heads,
+                           vocab_size=hf.vocab_size, intermediate_size=hf.intermediate_size)
         elif tp_size() != 1:
             raise RuntimeError("a tensor-parallel engine runs in this process; shut it down "
                                "before starting another engine here (one per process)")

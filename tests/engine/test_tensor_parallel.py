@@ -158,9 +158,12 @@ def _config_only(tmp_path: Path, src: Path, **changes) -> Path:
 @pytest.mark.parametrize("changes, tp, message", [
     ({}, 3, r"num_attention_heads \(4\) is not divisible by tensor_parallel_size \(3\)"),
     ({"vocab_size": 770}, 4, r"vocab_size \(770\) is not divisible by tensor_parallel_size \(4\)"),
+    ({"intermediate_size": 130}, 4,
+     r"intermediate_size \(130\) is not divisible by tensor_parallel_size \(4\)"),
     ({"num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 16}, 2,
      r"num_key_value_heads \(3\) is not divisible by tensor_parallel_size \(2\)"),
-    ({"num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 16}, 3,
+    ({"num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 16,
+      "intermediate_size": 192}, 3,
      r"tensor_parallel_size \(3\) is not a multiple of num_key_value_heads \(2\)"),
 ])
 def test_sizes_that_do_not_divide_fail_before_any_rank_starts(tmp_path, ckpts, changes, tp,
@@ -176,7 +179,7 @@ def test_fewer_devices_than_ranks_is_a_clear_error():
     with pytest.raises(ValueError, match="tensor_parallel_size=4 needs 4 CUDA devices .* but 2 "
                        "are visible"):
         check_device_count(4, 2)
-    check_tp_sizes(4, 1, 768, 4)  # one KV head, replicated on 4 ranks
+    check_tp_sizes(4, num_heads=4, num_kv_heads=1, vocab_size=768, intermediate_size=128)
 
 
 # ---- failures and shutdown -------------------------------------------------------------------
