@@ -69,13 +69,20 @@ def cluster(model_path):
         yield base, metrics_port
 
 
-@pytest.fixture(scope="module")
-def prometheus(cluster, tmp_path_factory):
-    """A Prometheus server scraping Ray's metrics export every second: its base URL."""
+@pytest.fixture(scope="module", autouse=True)
+def prometheus_binary():
+    """Debian's Prometheus server: checked first, so a machine without it fails at once."""
     binary = shutil.which("prometheus")
     if binary is None:
         pytest.fail(f"the `prometheus` binary is not installed; install it with: "
                     f"{PROMETHEUS_INSTALL}", pytrace=False)
+    return binary
+
+
+@pytest.fixture(scope="module")
+def prometheus(prometheus_binary, cluster, tmp_path_factory):
+    """A Prometheus server scraping Ray's metrics export every second: its base URL."""
+    binary = prometheus_binary
     _, metrics_port = cluster
     tmp = tmp_path_factory.mktemp("prometheus")
     config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
