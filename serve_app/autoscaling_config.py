@@ -47,12 +47,13 @@ class AutoscalingPolicyConfig(BaseModel):
         "replicas are added (batch calls queued at the Routers count too)."
     )
     max_kv_usage: float = Field(
-        0.9, gt=0, le=1, description="Mean KV-cache usage (fraction of blocks in use) above "
-        "which replicas are added, even with no queue."
+        0.9, gt=0, le=1, description="How full a replica may be, on average, before replicas "
+        "are added even with no queue: the larger of its KV-cache usage (fraction of blocks in "
+        "use) and its sequence-slot usage (running requests / max_num_seqs)."
     )
     downscale_threshold: float = Field(
         0.5, gt=0, lt=1, description="Replicas are removed only down to a count at which the "
-        "queue per replica and the KV usage stay below this fraction of "
+        "queue per replica and the usage stay below this fraction of "
         "target_queue_per_replica and max_kv_usage (the hysteresis band)."
     )
     upscale_delay_s: float = Field(

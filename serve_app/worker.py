@@ -151,8 +151,10 @@ class Worker:
         """The real load, for ``serve_app.autoscaling.QueueDepthPolicy``: one handle call carries
         a whole batch, so Serve's count of ongoing calls says little."""
         s = self.engine.get_stats()
+        slots = self.engine.config.scheduler.max_num_seqs
         return {"num_waiting": float(s["num_waiting"]), "num_running": float(s["num_running"]),
                 "kv_cache_usage": float(s["kv_cache_usage"]),
+                "seq_slot_usage": float(s["num_running"]) / slots,
                 "output_tokens_per_s": float(s.get("output_tokens_per_s", 0.0))}
 
     def check_health(self) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
-from ray.serve._private.common import DeploymentID, ReplicaID
+from ray.serve._private.common import DeploymentID, ReplicaID, TimeStampedValue
 from ray.serve.autoscaling_policy import _apply_autoscaling_config
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
@@ -29,7 +29,9 @@ DEP = DeploymentID(name="Worker", app_name="app")
 
 
 def ctx(waiting: list[float], running: list[float] | None = None,
-        kv: list[float] | None = None, *, target: int | None = None, queued: float = 0.0,
+        kv: list[float] | None = None, *, slots: list[float] | None = None,
+        latest: dict[str, list[float]] | None = None, target: int | None = None,
+        queued: float = 0.0,
         min_replicas: int = 1, max_replicas: int = 8, policy_state: dict | None = None,
         config: AutoscalingConfig | None = None) -> AutoscalingContext:
     """A context for ``len(waiting)`` running replicas with these per-replica averages."""
@@ -40,11 +42,19 @@ def ctx(waiting: list[float], running: list[float] | None = None,
     metrics = {"num_waiting": dict(zip(ids, waiting)), "num_running": dict(zip(ids, running)),
                "kv_cache_usage": dict(zip(ids, kv)),
                "output_tokens_per_s": dict.fromkeys(ids, 100.0)}
+    if slots is not None:
+        metrics["seq_slot_usage"] = dict(zip(ids, slots))
+    # raw time series: an older point at the window's average, then the latest report
+    now = time.time()
+    last = {**metrics, **{name: dict(zip(ids, v)) for name, v in (latest or {}).items()}}
+    raw = {name: {rid: [TimeStampedValue(now - 1, v), TimeStampedValue(now, last[name][rid])]
+                  for rid, v in per_rid.items()}
+           for name, per_rid in metrics.items()}
     return AutoscalingContext(
         deployment_id=DEP, deployment_name=DEP.name, app_name=DEP.app_name,
         current_num_replicas=n, target_num_replicas=n if target is None else target,
         running_replicas=ids, total_num_requests=sum(waiting) + sum(running) + queued,
-        total_queued_requests=queued, aggregated_metrics=metrics, raw_metrics={},
+        total_queued_requests=queued, aggregated_metrics=metrics, raw_metrics=raw,
         capacity_adjusted_min_replicas=min_replicas, capacity_adjusted_max_replicas=max_replicas,
         policy_state=policy_state or {}, last_scale_up_time=None, last_scale_down_time=None,
         current_time=time.time(),
@@ -66,10 +76,29 @@ def test_scales_up_when_the_queue_per_replica_is_over_target(policy):
     assert policy(ctx(waiting=[4.0, 4.0]))[0] == 2  # exactly on target: not over it
 
 
-def test_scales_up_when_the_cache_is_fuller_than_the_bound(policy):
+def test_counts_the_batch_each_new_replica_will_run(policy):
+    # 12 wait beside a batch of 40: a second replica running 40 leaves none waiting
+    assert policy(ctx(waiting=[12.0], running=[40.0]))[0] == 2  # ceil(52 / (40 + 4))
+    assert policy(ctx(waiting=[100.0], running=[40.0]))[0] == 4  # ceil(140 / 44)
+
+
+def test_a_burst_counts_at_once_not_diluted_in_the_window(policy):
+    # the window's average shows no queue yet; the latest reports show 12 waiting
+    burst = ctx(waiting=[0.0], running=[30.0], latest={"num_waiting": [12.0],
+                                                       "num_running": [40.0]})
+    assert policy(burst)[0] == 2
+    # a quiet window but a queue now: no scale-down
+    now_busy = ctx(waiting=[0.0, 0.0], latest={"num_waiting": [3.0, 2.0]})
+    assert policy(now_busy)[0] == 2
+    assert policy(ctx(waiting=[0.0, 0.0]))[0] == 1
+
+
+def test_scales_up_when_a_replica_is_fuller_than_the_bound(policy):
     assert policy(ctx(waiting=[0.0], kv=[0.9]))[0] == 2  # ceil(0.9 / 0.8)
     # one full replica beside an empty one: the router sends new work to the empty one
     assert policy(ctx(waiting=[0.0, 0.0], kv=[0.9, 0.1]))[0] == 2
+    # short requests: sequence slots fill before the cache does
+    assert policy(ctx(waiting=[0.0], kv=[0.2], slots=[0.95]))[0] == 2
 
 
 def test_counts_calls_queued_at_the_routers(policy):
