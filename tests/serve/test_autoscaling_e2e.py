@@ -30,8 +30,8 @@ LONG_TOKENS = 480
 COMMON = {"dtype": "float32", "max_model_len": 512, "kv_cache_memory_bytes": 16 << 20,
           "num_threads": 1, "accelerator": "cpu", "worker_num_cpus": 0.1,
           "router_num_cpus": 0.1, "routing_stats_period_s": 0.5,
-          "max_num_seqs": 2}  # a burst of 8 streams queues 6 on one replica
-FAST = {"target_queue_per_replica": 2, "max_kv_usage": 0.9, "downscale_threshold": 0.5,
+          "max_num_seqs": 4}  # a burst of 10 streams queues 6 on one replica
+FAST = {"target_queue_per_replica": 2, "max_kv_usage": 0.9, "downscale_threshold": 0.7,
         "upscale_delay_s": 0, "downscale_delay_s": 3, "look_back_period_s": 2,
         "metrics_interval_s": 0.5}
 
@@ -109,13 +109,13 @@ def test_burst_scales_up_then_back_down_without_losing_a_request(base):
     assert running("burst") == 1
     start = time.monotonic()
 
-    burst = Load(base, streams=8)
+    burst = Load(base, streams=10)
     wait_until(lambda: running("burst") >= 2, 120, "a second Worker")
     scaled_up = time.monotonic() - start
     # the new replica takes batches before the burst ends
     wait_until(lambda: (lambda s: len(s) == 2 and min(s) > 0)(served_by_each(base)), 60,
                "both Workers serving")
-    trickle = Load(base, streams=3, tokens=LONG_TOKENS)  # running while a replica goes
+    trickle = Load(base, streams=2, tokens=LONG_TOKENS)  # running while a replica goes
     results = burst.stop()
     wait_until(lambda: worker_replicas("burst") == {"RUNNING": 1}, 120, "back to one Worker")
     scaled_down = time.monotonic() - start
