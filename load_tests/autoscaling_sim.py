@@ -35,6 +35,7 @@ import logging
 import math
 import random
 import sys
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -163,7 +164,8 @@ class Sim:
         self.requests: list[Req] = []
 
     def run(self, trace: list[tuple]) -> dict:
-        serve_policy.time = SimpleNamespace(time=lambda: self.now)  # Serve's delays, sim clock
+        # Serve's delay logic reads time.time(): give it the simulated clock
+        serve_policy.time = SimpleNamespace(time=lambda: self.now, monotonic=time.monotonic)
         a, dt, pending = self.args, self.args.tick_s, deque(trace)
         self._reconcile()
         for r in self.replicas:
