@@ -194,8 +194,10 @@ class WorkerMetrics:
         for duration, tokens in self._engine.pop_step_records():
             self._step_time.observe(duration)
             self._step_tokens.observe(tokens)
-        pending, self._itl_pending = self._itl_pending, []
-        for value in pending:
+        pending = self._itl_pending  # the same list the running requests append to
+        values = pending[:]
+        pending.clear()
+        for value in values:
             self._itl.observe(value)
 
     async def _flush_loop(self) -> None:

@@ -1,0 +1,152 @@
+"""``serve_app.metrics`` without Ray: what each hook records, with stand-ins for Ray's metric
+classes (the end-to-end export is ``test_metrics.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.outputs import CompletionOutput, RequestOutput
+from serve_app import metrics
+
+
+class _Recorder:
+    def __init__(self, name, description="", tag_keys=(), boundaries=None):
+        self.name, self.tag_keys, self.boundaries = name, tag_keys, boundaries
+        self.default_tags: dict = {}
+        self.calls: list[tuple[float, dict]] = []
+
+    def set_default_tags(self, tags):
+        self.default_tags = tags
+        return self
+
+    def _add(self, value, tags=None):
+        full = {**self.default_tags, **(tags or {})}
+        assert set(full) == set(self.tag_keys), (self.name, full)
+        self.calls.append((value, tags or {}))
+
+    inc = set = observe = _add
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    for kind in ("Counter", "Gauge", "Histogram"):
+        monkeypatch.setattr(metrics, kind, type(kind, (_Recorder,), {}))
+    monkeypatch.setattr(metrics, "_defined", {})
+    return metrics._defined
+
+
+def values(defined, name):
+    return [v for v, _ in defined[name].calls]
+
+
+class FakeEngine:
+    def __init__(self):
+        self.stats = {"num_running": 2, "num_waiting": 1, "kv_cache_usage": 0.25,
+                      "prompt_tokens_total": 10, "generation_tokens_total": 4,
+                      "prefix_cache_queries": 10, "prefix_cache_hits": 0, "num_preemptions": 0}
+        self.steps = [(0.01, 12), (0.02, 2)]
+
+    def get_stats(self):
+        return dict(self.stats)
+
+    def pop_step_records(self):
+        steps, self.steps = self.steps, []
+        return steps
+
+
+def _out(finished: bool, reason: str | None = None, **m: float) -> RequestOutput:
+    return RequestOutput("r", [1, 2], [CompletionOutput(0, [7], finish_reason=reason)],
+                         finished=finished, metrics=m)
+
+
+def test_flush_sets_gauges_adds_counter_increases_and_step_records(recorded):
+    engine = FakeEngine()
+    wm = metrics.WorkerMetrics(engine, "m", "rep1")
+    wm.flush()
+    engine.stats.update(prompt_tokens_total=15, generation_tokens_total=9, num_running=0)
+    wm.flush()
+    assert values(recorded, "num_requests_running") == [2.0, 0.0]
+    assert values(recorded, "kv_cache_usage_perc") == [0.25, 0.25]
+    assert values(recorded, "prompt_tokens_total") == [10.0, 5.0]
+    assert values(recorded, "generation_tokens_total") == [4.0, 5.0]
+    assert values(recorded, "prefix_cache_hits_total") == []  # Ray counters take only > 0
+    assert values(recorded, "iteration_duration_seconds") == [0.01, 0.02]
+    assert values(recorded, "iteration_tokens_total") == [12, 2]
+    assert recorded["num_requests_running"].default_tags == {"model_name": "m", "replica": "rep1"}
+
+
+def test_track_times_outputs_across_flushes_and_records_the_end(recorded):
+    wm = metrics.WorkerMetrics(FakeEngine(), "m", "rep1")
+
+    async def outputs():
+        yield _out(False)
+        yield _out(False)
+        wm.flush()  # a flush while the request is still streaming
+        yield _out(True, "length", arrival_time=1.0, first_scheduled_time=1.5,
+                   first_token_time=2.0, finished_time=4.0)
+
+    async def consume():
+        return [o async for o in wm.track(outputs())]
+
+    assert len(asyncio.run(consume())) == 3
+    wm.flush()
+    assert len(values(recorded, "inter_token_latency_seconds")) == 2
+    assert values(recorded, "time_to_first_token_seconds") == [1.0]
+    assert values(recorded, "request_queue_time_seconds") == [0.5]
+    assert values(recorded, "e2e_request_latency_seconds") == [3.0]
+    assert recorded["request_success_total"].calls == [(1, {"finished_reason": "length"})]
+
+
+def test_a_cancelled_stream_counts_as_abort(recorded):
+    wm = metrics.WorkerMetrics(FakeEngine(), "m", "rep1")
+
+    async def outputs():
+        yield _out(False)
+        await asyncio.sleep(3600)
+        yield _out(True, "stop")
+
+    async def consume():
+        task = asyncio.create_task(_drain(wm.track(outputs())))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(consume())
+    assert recorded["request_success_total"].calls == [(1, {"finished_reason": "abort"})]
+    assert "time_to_first_token_seconds" not in {n for n, m in recorded.items() if m.calls}
+
+
+async def _drain(gen):
+    async for _ in gen:
+        pass
+
+
+def test_router_batches_rejections_and_http_statuses(recorded):
+    rm = metrics.RouterMetrics("m", "router1")
+    sent = []
+
+    async def send(batch):
+        sent.append(batch)
+
+    class Batch:
+        requests = [1, 2, 3]
+
+    asyncio.run(rm.count_batches(send)(Batch))
+    rm.rejected("queue_full")
+    rm.response("/v1/completions", 429)
+    assert sent == [Batch] and values(recorded, "router_batch_size") == [3]
+    assert recorded["router_requests_rejected_total"].calls == [(1, {"cause": "queue_full"})]
+    assert recorded["http_requests_total"].calls == [
+        (1, {"handler": "/v1/completions", "status": "429"})]
+
+
+@pytest.mark.parametrize("path,root,handler", [
+    ("/v1/completions", "", "/v1/completions"),
+    ("/guarded/v1/chat/completions", "/guarded", "/v1/chat/completions"),
+    ("/v1/unknown", "", "other"),
+])
+def test_handler_label_is_bounded(path, root, handler):
+    assert metrics._handler({"path": path, "root_path": root}) == handler
