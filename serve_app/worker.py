@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
@@ -134,7 +135,7 @@ class Worker:
     async def get_stats(self, target_replica: str | None = None) -> dict[str, Any]:
         stats = dict(self.engine.get_stats())
         stats.update(replica=self.replica_id, requests_total=self.requests_total,
-                     aborted_total=self.aborted_total,
+                     aborted_total=self.aborted_total, rss_bytes=_rss_bytes(),
                      batches_total=self.batches_total, batches_running=self.batches_running)
         return stats
 
@@ -143,7 +144,10 @@ class Worker:
     def record_routing_stats(self) -> dict[str, Any]:
         """Load for ``WorkerRequestRouter``: collected every ``routing_stats_period_s``."""
         s = self.engine.get_stats()
-        return {"num_waiting": s["num_waiting"], "num_running": s["num_running"],
+        # The engine's snapshot can predate a batch this replica already accepted; count the
+        # requests of open batches too, so a report never hides work the router sent.
+        waiting = max(s["num_waiting"], len(self._pumps) - s["num_running"])
+        return {"num_waiting": waiting, "num_running": s["num_running"],
                 "num_free_blocks": s["num_free_blocks"], "num_total_blocks": s["num_total_blocks"],
                 "ts": time.time()}
 
@@ -199,6 +203,15 @@ def _rank_launcher(config: AppConfig) -> Any:
     replica = serve.get_replica_context().replica_id.unique_id
     return RayRankLauncher(f"pagedserve-tp-{replica}", num_cpus=config.worker_num_cpus,
                            num_gpus=1 if config.use_gpu() else 0)
+
+
+def _rss_bytes() -> int:
+    """This process's resident memory (Linux /proc; 0 elsewhere), for leak checks."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _has_running_loop() -> bool:

@@ -40,7 +40,7 @@ def test_image_copies_every_package_and_the_policies():
     copied = set(re.findall(r"^COPY --chown=ray:users (\S+) ", text, re.M))
     (include,) = re.findall(r"^include = \[(.*)\]$", PYPROJECT, re.M)
     packages = {p.strip(' "*') for p in include.split(",")}
-    assert packages == {"engine", "kernels", "serve_app"}
+    assert packages == {"engine", "kernels", "serve_app", "deploy"}
     assert packages | {"deploy", "pyproject.toml", "README.md"} <= copied
     ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()}
     assert not (packages | {"deploy", "README.md", "pyproject.toml"}) & ignored
