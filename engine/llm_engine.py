@@ -180,6 +180,10 @@ class LLMEngine:
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params.validate()
+        outside = [t for t in params.stop_token_ids if t >= self.hf.vocab_size]
+        if outside:  # they index the logits: one bad id would fail the whole step
+            raise ValueError(f"stop_token_ids must be in [0, {self.hf.vocab_size - 1}], "
+                             f"got {outside[:5]}")
         text, ids = self.process_prompt(prompt)
         seqs = [Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, params,
                         self.eos_token_ids, index=i, group_id=request_id,

@@ -8,6 +8,7 @@ from typing import Literal
 OutputKind = Literal["cumulative", "delta", "final"]
 
 _MAX_LOGPROBS = 20
+_SEED_MIN, _SEED_MAX = -(2 ** 63), 2 ** 63 - 1  # torch generators take seed + index < 2**64
 
 
 @dataclass
@@ -57,6 +58,8 @@ class SamplingParams:
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1",
                self.max_tokens)
         _check(self.min_tokens >= 0, "min_tokens", "must be >= 0", self.min_tokens)
+        _check(self.seed is None or _SEED_MIN <= self.seed <= _SEED_MAX, "seed",
+               "must fit in a signed 64-bit integer", self.seed)
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens",
                    self.min_tokens)
