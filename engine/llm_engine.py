@@ -29,7 +29,7 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request, RequestStatus, group_metrics
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.tokenizer import eos_token_ids, load_tokenizer
+from engine.tokenizer import check_vocab, eos_token_ids, load_tokenizer
 
 if TYPE_CHECKING:
     from engine.tp_ranks import RankGroup, RankLauncher
@@ -85,6 +85,7 @@ class LLMEngine:
         self.failed: BaseException | None = None  # why a tensor-parallel step broke off
         self.max_model_len = _resolve_max_model_len(config.model.max_model_len, self.hf)
         self.tokenizer = load_tokenizer(model_path)
+        check_vocab(model_path, self.hf, self.tokenizer)
         self.eos_token_ids = frozenset(eos_token_ids(model_path, self.hf, self.tokenizer))
         dtype = resolve_dtype(config.model.dtype, self.hf.torch_dtype, self.device)
         if tp > 1:

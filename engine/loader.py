@@ -16,6 +16,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
+_PICKLED = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
@@ -70,7 +71,11 @@ def safetensors_files(folder: str | Path) -> list[Path]:
         return files
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"{folder}: no *.safetensors files (only safetensors checkpoints load)")
+        pickled = sorted(p.name for ext in _PICKLED for p in folder.glob(f"*{ext}"))
+        found = (f"; found {', '.join(pickled[:4])}: pickled PyTorch weights, which are never "
+                 "loaded (unpickling can run code). Convert them to safetensors") if pickled else ""
+        raise ValueError(f"{folder}: no *.safetensors files (only safetensors checkpoints "
+                         f"load){found}")
     return files
 
 

@@ -1,21 +1,49 @@
-"""Tokenizer loading (transformers' fast tokenizers; never remote code) and EOS ids."""
+"""Tokenizer loading (transformers' fast tokenizers; never remote code: an ``auto_map`` in
+``tokenizer_config.json`` is refused), its fit to the model's vocabulary, and EOS ids."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from engine.models.hf_config import HFConfig
+from engine.models.hf_config import HFConfig, check_no_remote_code
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
 def load_tokenizer(model_path: str):
     from transformers import AutoTokenizer
 
+    folder = Path(model_path)
+    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        raise ValueError(f"{model_path}: no tokenizer files ({', '.join(_TOKENIZER_FILES)})")
+    serialized = folder / "tokenizer.json"
+    if serialized.is_file():
+        try:
+            json.loads(serialized.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{serialized}: not valid JSON ({e})") from None
+    config = folder / "tokenizer_config.json"
+    if config.is_file():
+        try:
+            raw = json.loads(config.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{config}: not valid JSON ({e})") from None
+        if isinstance(raw, dict):
+            check_no_remote_code(raw, str(config))
     try:
         return AutoTokenizer.from_pretrained(model_path, trust_remote_code=False)
     except Exception as e:  # transformers raises many types for a broken tokenizer folder
         raise ValueError(f"{model_path}: cannot load the tokenizer ({type(e).__name__}: {e})") \
             from None
+
+
+def check_vocab(model_path: str, hf: HFConfig, tokenizer) -> None:
+    """Every id the tokenizer can produce must have an embedding row: a text prompt that
+    tokenized to a larger id would fail the engine step it is in, with every request in it."""
+    if len(tokenizer) > hf.vocab_size:
+        raise ValueError(f"{model_path}: the tokenizer has {len(tokenizer)} tokens but "
+                         f"config.json's vocab_size is {hf.vocab_size}")
 
 
 def eos_token_ids(model_path: str, hf: HFConfig, tokenizer) -> set[int]:

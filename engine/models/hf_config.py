@@ -2,7 +2,9 @@
 
 Reading the JSON directly (rather than through transformers' config classes) accepts both the
 older layout (``rope_theta`` and ``rope_scaling`` at top level) and the newer
-``rope_parameters``; anything unsupported is refused with its name.
+``rope_parameters``; anything unsupported is refused with its name, and so is a wrong type or
+value (they would otherwise surface later as an error about something else), and an
+``auto_map`` (code shipped with the checkpoint, which is never run).
 """
 
 from __future__ import annotations
@@ -44,18 +46,17 @@ class HFConfig:
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: expected a JSON object, got {type(raw).__name__}")
         return cls.from_dict(raw, str(path))
 
     @classmethod
     def from_dict(cls, raw: dict, where: str = "config.json") -> HFConfig:
         from engine.models.registry import check_architecture
 
+        check_no_remote_code(raw, where)
         arch = check_architecture(raw.get("architectures"), where)
-        required = ["hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads", "vocab_size"]
-        missing = [k for k in required if not isinstance(raw.get(k), int)]
-        if missing:
-            raise ValueError(f"{where}: missing or non-integer fields: {', '.join(missing)}")
+        _check_fields(raw, where)
         if raw.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{where}: hidden_act {raw['hidden_act']!r} is not supported "
                              "(supported: silu)")
@@ -67,6 +68,13 @@ class HFConfig:
             raise ValueError(f"{where}: rope type {kind!r} is not supported; supported: "
                              f"{', '.join(SUPPORTED_ROPE_TYPES)}")
         heads = raw["num_attention_heads"]
+        kv_heads = raw.get("num_key_value_heads") or heads
+        if heads % kv_heads:
+            raise ValueError(f"{where}: num_attention_heads ({heads}) is not a multiple of "
+                             f"num_key_value_heads ({kv_heads})")
+        if not raw.get("head_dim") and raw["hidden_size"] % heads:
+            raise ValueError(f"{where}: hidden_size ({raw['hidden_size']}) is not a multiple of "
+                             f"num_attention_heads ({heads}) and head_dim is not given")
         eos = raw.get("eos_token_id")
         window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
         return cls(
@@ -75,7 +83,7 @@ class HFConfig:
             intermediate_size=raw["intermediate_size"],
             num_layers=raw["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=raw.get("num_key_value_heads") or heads,
+            num_kv_heads=kv_heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
             vocab_size=raw["vocab_size"],
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
@@ -89,3 +97,44 @@ class HFConfig:
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
         )
+
+
+_REQUIRED_INTS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "vocab_size")
+_OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+_OPTIONAL_NUMBERS = ("rms_norm_eps", "rope_theta")
+
+
+def _check_fields(raw: dict, where: str) -> None:
+    """Types and ranges of the fields the model is built from; ``ValueError`` naming them."""
+    missing = [k for k in _REQUIRED_INTS if not _is_int(raw.get(k))]
+    if missing:
+        raise ValueError(f"{where}: missing or non-integer fields: {', '.join(missing)}")
+    wrong = [k for k in _OPTIONAL_INTS if raw.get(k) is not None and not _is_int(raw[k])]
+    wrong += [k for k in _OPTIONAL_NUMBERS if raw.get(k) is not None
+              and (isinstance(raw[k], bool) or not isinstance(raw[k], (int, float)))]
+    if wrong:
+        raise ValueError(f"{where}: fields of the wrong type: "
+                         + ", ".join(f"{k}={raw[k]!r}" for k in wrong))
+    bad = [k for k in (*_REQUIRED_INTS, *_OPTIONAL_INTS) if raw.get(k) is not None and raw[k] < 1]
+    if bad:
+        raise ValueError(f"{where}: fields must be positive: "
+                         + ", ".join(f"{k}={raw[k]}" for k in bad))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_no_remote_code(raw: dict, where: str) -> None:
+    """Refuse an ``auto_map``: it names Python code shipped with the checkpoint, and that code
+    is never run here (there is no ``trust_remote_code``)."""
+    auto_map = raw.get("auto_map")
+    if not auto_map:
+        return
+    entries = auto_map.items() if isinstance(auto_map, dict) else [("auto_map", auto_map)]
+    shown = ", ".join(f"{k} -> {v}" for k, v in entries)
+    raise ValueError(f"{where}: auto_map asks to run code shipped with the checkpoint ({shown}); "
+                     "pagedserve never runs checkpoint code (there is no trust_remote_code). If "
+                     "the model is a standard Llama, Mistral or Qwen2, delete auto_map from the "
+                     "file.")
