@@ -52,6 +52,7 @@ class EngineRequest:
 class Batch:
     requests: list[EngineRequest]
     task: asyncio.Task | None = None
+    attempt: int = 0  # 1 when these requests are retried after their Worker died
 
     def all_released(self) -> bool:
         return all(r.released or r.finished for r in self.requests)

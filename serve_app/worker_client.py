@@ -4,6 +4,11 @@ Every call goes through the Worker deployment's handle, so replica choice is
 ``WorkerRequestRouter``'s: batches to the least loaded (or prefix-affine) replica, control calls
 (``target_replica=``) to the replica they name.
 
+A batch whose Worker replica dies (its process killed, the node lost) fails; its requests that
+have no output yet, and whose client still listens, are sent once more as a batch of their
+own, which the request router gives to a live replica. The others get a 503: they have
+streamed tokens already, so running them again would repeat output.
+
 Handle calls are made in an empty ``contextvars.Context``: inside an HTTP request, Serve gives
 every handle call that request's internal request id, and its request router matches pending
 calls to replicas by that id, so two calls from one request (stats for two replicas, two
@@ -19,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.batcher import Batch, EngineRequest, fail_unfinished, fan_out
@@ -60,7 +66,20 @@ class WorkerClient:
             fail_unfinished(batch, 499, "cancelled")
         except Exception as exc:
             logger.warning("batch of %d failed: %s", len(batch.requests), exc)
-            fail_unfinished(batch, 503, f"Worker unavailable: {type(exc).__name__}")
+            retry = [r for r in batch.requests if isinstance(exc, RayActorError)
+                     and batch.attempt == 0 and _not_started(r)]
+            rest = Batch([r for r in batch.requests if r not in retry])
+            fail_unfinished(rest, 503, f"Worker unavailable: {type(exc).__name__}")
+            if retry:
+                await self._retry(batch, retry)
+
+    async def _retry(self, failed: Batch, requests: list[EngineRequest]) -> None:
+        """Run ``requests`` again in this task (so a client leaving still cancels them)."""
+        logger.info("retrying %d requests of a batch whose Worker died", len(requests))
+        again = Batch(requests, task=failed.task, attempt=failed.attempt + 1)
+        for r in requests:
+            r.batch, r.replica = again, None  # no abort to the dead replica
+        await self.run_batch(again)
 
     def release(self, request: EngineRequest) -> None:
         """The handler stops listening (done, stop string, or client gone): free the request."""
@@ -105,6 +124,11 @@ class WorkerClient:
                  for rid in self.replicas()]
         results = await asyncio.gather(*(_bounded(c, timeout_s) for c in calls))
         return [r for r in results if r is not None]
+
+
+def _not_started(r: EngineRequest) -> bool:
+    """Nothing of it reached the client, which still listens: running it again is invisible."""
+    return not r.finished and not r.released and r.first_output_at is None
 
 
 async def _bounded(call: Any, timeout_s: float) -> Any:
