@@ -52,6 +52,15 @@ class AppConfig(BaseModel):
         4 * 1024 * 1024, ge=1024, description="Largest accepted HTTP request body; larger ones "
         "get 413."
     )
+    max_n: int = Field(
+        16, ge=1, le=1024, description="Largest `n` (choices per prompt) a request may ask "
+        "for; more gets 400. Each choice is a sequence holding its own KV blocks."
+    )
+    max_tokens_limit: int | None = Field(
+        None, ge=1, description="Largest `max_tokens` (`max_completion_tokens`) a request may "
+        "ask for; more gets 400, and a request without one gets at most this many. None = "
+        "only max_model_len bounds it."
+    )
     api_key: SecretStr | None = Field(
         None, description="When set, /v1/* routes need `Authorization: Bearer <api_key>` (401 "
         "otherwise). Never logged."

@@ -13,12 +13,29 @@ from serve_app.request_router import prefix_hashes
 class PromptProcessor:
     """Built from a Worker's ``model_info()``: its tokenizer, model name and ``max_model_len``."""
 
-    def __init__(self, info: dict[str, Any], model_name: str, prefix_chunk_tokens: int) -> None:
+    def __init__(self, info: dict[str, Any], model_name: str, prefix_chunk_tokens: int,
+                 max_n: int = 16, max_tokens_limit: int | None = None,
+                 max_prompts: int | None = None) -> None:
         self.tokenizer = info["tokenizer"]
         self.model_name = model_name
         self.max_model_len: int = info["max_model_len"]
         self.vocab_size = len(self.tokenizer)
         self._chunk = prefix_chunk_tokens
+        self.max_n = max_n
+        self.max_tokens_limit = max_tokens_limit
+        self.max_prompts = max_prompts  # more can never be admitted at once
+
+    def check_size(self, num_prompts: int, n: int, max_tokens: int | None) -> None:
+        """The bounds that keep one request from taking every KV block (400 beyond them)."""
+        if n > self.max_n:
+            raise APIError(400, f"n: must be at most {self.max_n} (got {n})", param="n")
+        limit = self.max_tokens_limit
+        if limit is not None and max_tokens is not None and max_tokens > limit:
+            raise APIError(400, f"max_tokens: must be at most {limit} (got {max_tokens})",
+                           param="max_tokens")
+        if self.max_prompts is not None and num_prompts > self.max_prompts:
+            raise APIError(400, f"prompt: at most {self.max_prompts} prompts per request (got "
+                           f"{num_prompts})", param="prompt")
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -56,8 +73,13 @@ class PromptProcessor:
             raise APIError(400, f"This model's maximum context length is {limit} tokens, but "
                            f"the prompt has {n} tokens (it must leave room for at least one "
                            "generated token).", param="prompt", code="context_length_exceeded")
+        if req.stop_token_ids and max(req.stop_token_ids) >= self.vocab_size:
+            raise APIError(400, f"stop_token_ids: token id {max(req.stop_token_ids)} is outside "
+                           f"the vocabulary [0, {self.vocab_size})", param="stop_token_ids")
         if max_tokens is None:
             max_tokens = limit - n
+            if self.max_tokens_limit is not None:
+                max_tokens = min(max_tokens, self.max_tokens_limit)
         elif n + max_tokens > limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens, but "
                            f"{n + max_tokens} were requested ({n} in the prompt, {max_tokens} "

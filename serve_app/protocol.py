@@ -17,7 +17,7 @@ from engine.sampling_params import SamplingParams
 from serve_app.errors import APIError, from_validation_error
 
 MAX_LOGPROBS = 20
-MAX_N = 16
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
 
@@ -38,8 +38,8 @@ class _Sampling(_Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, description="-1 turns it off.")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=MAX_N)
-    seed: int | None = None
+    n: int = Field(1, ge=1, description="Choices per prompt; the Router bounds it (max_n).")
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: TokenIds | None = None
     stream: bool = False

@@ -11,6 +11,7 @@ No ``from __future__ import annotations``: FastAPI must see ``Request`` as a cla
 """
 
 import asyncio
+import hashlib
 import hmac
 import logging
 import math
@@ -36,7 +37,9 @@ logger = logging.getLogger("ray.serve")
 
 REPLICA_HEADER = "x-pagedserve-replica"
 
-api = FastAPI(title="pagedserve", description="OpenAI-compatible LLM serving on Ray Serve.")
+# No /docs, /redoc or /openapi.json: every route but /health sits behind the API key.
+api = FastAPI(title="pagedserve", description="OpenAI-compatible LLM serving on Ray Serve.",
+              docs_url=None, redoc_url=None, openapi_url=None)
 install_handlers(api)
 install_http_metrics(api)
 
@@ -52,7 +55,8 @@ def _response_id(prefix: str, request: Request) -> str:
 class Router:
     def __init__(self, worker: DeploymentHandle, config: AppConfig) -> None:
         self.cfg = config
-        self._api_key = config.resolved_api_key()
+        key = config.resolved_api_key()
+        self._api_key_digest = None if key is None else hashlib.sha256(key.encode()).digest()
         self.workers = WorkerClient(worker)
         self.metrics = RouterMetrics.for_replica(config)
         self.batcher = DynamicBatcher(self.metrics.count_batches(self.workers.run_batch),
@@ -71,7 +75,9 @@ class Router:
             try:
                 info = await asyncio.wait_for(self.workers.model_info(), timeout=10.0)
                 name = self.cfg.served_model_name or info["model_name"]
-                self.prompts = PromptProcessor(info, name, self.cfg.prefix_chunk_tokens)
+                self.prompts = PromptProcessor(info, name, self.cfg.prefix_chunk_tokens,
+                                               self.cfg.max_n, self.cfg.max_tokens_limit,
+                                               self.cfg.max_waiting_requests)
                 return
             except Exception as exc:  # no Worker yet, or it is still loading its model
                 logger.info("waiting for a Worker to report its model: %r", exc)
@@ -115,6 +121,7 @@ class Router:
         p = await self._ready()
         p.check_model(req.model)
         raw = req.prompts()
+        p.check_size(len(raw), req.n, req.max_tokens)
         prompts = [p.encode_completion(x) for x in raw]
         params = [p.params(req, ids, req.max_tokens, req.logprobs) for ids in prompts]
         fmt = CompletionFormat(_response_id("cmpl", request), p.model_name, p.tokenizer,
@@ -130,6 +137,7 @@ class Router:
                                                    await self._body(request))
         p = await self._ready()
         p.check_model(req.model)
+        p.check_size(1, req.n, req.completion_limit())
         ids = p.encode_chat(req.chat_messages(), req.add_generation_prompt)
         params = [p.params(req, ids, req.completion_limit(), req.num_logprobs())]
         fmt = ChatFormat(_response_id("chatcmpl", request), p.model_name, p.tokenizer, req.n,
@@ -197,12 +205,13 @@ class Router:
     # ---- checks ----------------------------------------------------------------------------
 
     def _authorize(self, request: Request) -> None:
-        key = self._api_key
-        if key is None:
+        if self._api_key_digest is None:
             return
         given = request.headers.get("authorization", "")
         token = given[7:] if given[:7].lower() == "bearer " else ""
-        if not hmac.compare_digest(token.encode(), key.encode()):
+        # equal-length digests: the comparison's time says nothing about the key
+        digest = hashlib.sha256(token.encode()).digest()
+        if not hmac.compare_digest(digest, self._api_key_digest):
             raise APIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
                            code="invalid_api_key")
 
@@ -211,10 +220,13 @@ class Router:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise APIError(413, f"request body of {declared} bytes is over the limit of {limit}")
-        body = await request.body()
-        if len(body) > limit:
-            raise APIError(413, f"request body of {len(body)} bytes is over the limit of {limit}")
-        return body
+        parts, size = [], 0
+        async for part in request.stream():  # chunked bodies too: stop reading at the limit
+            size += len(part)
+            if size > limit:
+                raise APIError(413, f"request body is over the limit of {limit} bytes")
+            parts.append(part)
+        return b"".join(parts)
 
     async def _ready(self) -> PromptProcessor:
         if self.cfg.scales_to_zero() and (self.prompts is None or not self.workers.replicas()):

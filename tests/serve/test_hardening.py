@@ -1,0 +1,149 @@
+"""Bounds on one request, and a dead Worker's batch, without a Ray cluster.
+
+* ``n``, ``max_tokens``, the number of prompts, ``seed`` and ``stop_token_ids`` are bounded
+  before a request reaches a Worker (400 naming the field), so one request can neither take
+  every KV block nor break an engine step that other requests share.
+* A batch whose Worker dies is retried once for the requests that have no output yet; the
+  others get a 503, and so does everything after a second failure or another kind of error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from ray.exceptions import ActorDiedError
+
+from engine.sampling_params import SamplingParams
+from serve_app.batcher import Batch, EngineRequest
+from serve_app.errors import APIError
+from serve_app.prompts import PromptProcessor
+from serve_app.protocol import CompletionRequest, parse_request
+from serve_app.worker_client import WorkerClient
+
+
+class _Tokenizer:
+    def __len__(self) -> int:
+        return 100
+
+    def __call__(self, text: str, **_):
+        return SimpleNamespace(input_ids=[5] * len(text.split()))
+
+
+def _processor(**kw) -> PromptProcessor:
+    info = {"tokenizer": _Tokenizer(), "max_model_len": 64}
+    return PromptProcessor(info, "m", 16, **kw)
+
+
+@pytest.mark.parametrize("num_prompts, n, max_tokens, param", [
+    (1, 5, 8, "n"), (1, 1, 33, "max_tokens"), (9, 1, 8, "prompt")])
+def test_request_size_bounds_are_400(num_prompts, n, max_tokens, param):
+    p = _processor(max_n=4, max_tokens_limit=32, max_prompts=8)
+    p.check_size(8, 4, 32)  # at the bounds: accepted
+    with pytest.raises(APIError) as err:
+        p.check_size(num_prompts, n, max_tokens)
+    assert err.value.status == 400 and err.value.param == param
+
+
+def test_max_tokens_limit_caps_the_default():
+    req = parse_request(CompletionRequest, b'{"prompt": "a b c"}')
+    assert _processor().params(req, [5] * 3, None, None).max_tokens == 61
+    assert _processor(max_tokens_limit=20).params(req, [5] * 3, None, None).max_tokens == 20
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_400():
+    req = parse_request(CompletionRequest, b'{"prompt": "a", "stop_token_ids": [3, 100]}')
+    with pytest.raises(APIError) as err:
+        _processor().params(req, [5], 4, None)
+    assert err.value.status == 400 and err.value.param == "stop_token_ids"
+
+
+@pytest.mark.parametrize("seed", [2 ** 63, -(2 ** 63) - 1, 2 ** 70])
+def test_seed_must_fit_in_int64(seed):
+    with pytest.raises(APIError) as err:
+        parse_request(CompletionRequest, f'{{"prompt": "a", "seed": {seed}}}'.encode())
+    assert err.value.param == "seed"
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=seed)
+    SamplingParams(seed=2 ** 63 - 1)
+    SamplingParams(seed=-(2 ** 63))
+
+
+# ---- a dead Worker's batch ---------------------------------------------------------------------
+
+class _Stream:
+    """A scripted ``generate_batch`` stream: messages, then maybe an exception."""
+
+    def __init__(self, script: list) -> None:
+        self.script = script
+
+    def __aiter__(self):
+        return self._run()
+
+    async def _run(self):
+        for item in self.script:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def cancel(self) -> None:
+        pass
+
+
+class _Handle:
+    def __init__(self, *scripts: list) -> None:
+        self.scripts = list(scripts)
+        self.batches: list[list[str]] = []
+
+    def options(self, **_):
+        return self
+
+    @property
+    def generate_batch(self):
+        def remote(requests, prefix_hashes=None):
+            self.batches.append([r[0] for r in requests])
+            return _Stream(self.scripts.pop(0))
+
+        return SimpleNamespace(remote=remote)
+
+
+def _events(r: EngineRequest) -> list[tuple]:
+    out = []
+    while not r.events.empty():
+        out.append(r.events.get_nowait()[1])
+    return out
+
+
+def _run_batch(*scripts: list) -> tuple[_Handle, EngineRequest, EngineRequest]:
+    async def run():
+        handle = _Handle(*scripts)
+        a = EngineRequest([1, 2], SamplingParams(max_tokens=1))
+        b = EngineRequest([3, 4], SamplingParams(max_tokens=1))
+        batch = Batch([a, b])
+        a.batch = b.batch = batch
+        await WorkerClient(handle).run_batch(batch)
+        return handle, a, b
+
+    return asyncio.run(run())
+
+
+def test_dead_worker_retries_only_requests_without_output():
+    first = [{"replica": "r1"}, {"t": [[0, 0, [7], None, None]]}, ActorDiedError()]
+    second = [{"replica": "r2"}, {"t": [[0, 0, [9], "length", None]]}, {"done": [[0, 2, 0]]}]
+    handle, a, b = _run_batch(first, second)
+    assert handle.batches == [[a.request_id, b.request_id], [b.request_id]]
+    assert _events(a) == [("t", 0, [7], None, None), ("err", 503,
+                                                       "Worker unavailable: ActorDiedError")]
+    assert _events(b) == [("t", 0, [9], "length", None), ("done", 2, 0)]
+    assert b.replica == "r2" and b.batch.attempt == 1
+
+
+def test_a_second_death_or_another_error_is_a_503():
+    handle, a, b = _run_batch([{"replica": "r1"}, ActorDiedError()],
+                              [{"replica": "r2"}, ActorDiedError()])
+    assert len(handle.batches) == 2  # one retry, not more
+    assert [e[:2] for e in _events(a) + _events(b)] == [("err", 503), ("err", 503)]
+    handle, a, b = _run_batch([{"replica": "r1"}, RuntimeError("boom")])
+    assert len(handle.batches) == 1  # not a dead replica: no retry
+    assert [e[:2] for e in _events(a) + _events(b)] == [("err", 503), ("err", 503)]
