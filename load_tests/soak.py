@@ -1,0 +1,585 @@
+"""Soak: a bounded run of mixed traffic, bad input, overload and faults against pagedserve.
+
+    python load_tests/soak.py --duration 600 --concurrency 12        # starts its own app
+    python load_tests/soak.py --url http://127.0.0.1:8000 --duration 120 --concurrency 8
+
+Without ``--url`` it starts one local Ray cluster on 127.0.0.1 with the app (default model,
+2 Workers, 2 Routers, an API key, a small admission bound) and injects faults during the run:
+a Worker replica's process killed, a Router replica's process killed, the Workers scaled
+2 -> 1 while busy and back to 2 (``--faults`` picks them). With ``--url`` (loopback only) it
+sends the same traffic to a running app, without faults.
+
+The traffic (``soak_mix.py``): greedy completions and chats, streamed or not, over prompts that
+share prefixes; echo; two prompts with n=2; streams dropped by the client mid-way; every kind
+of bad request; bursts above the admission bound. After the run it waits for the Workers to go
+idle, then runs two equal fault-free passes and compares the replicas' memory.
+
+It prints one JSON line and a table, and exits nonzero when an invariant breaks:
+
+* ``no_hung``: every request ended within ``--deadline``;
+* ``belongs``: every answer is its request's (response id, greedy text equal to the reference
+  for its prompt, choice count and indices, one finish per choice, usage);
+* ``errors_openai_shape``: every error answer is ``{"error": {message, type, param, code}}``;
+* ``bad_input_4xx``: each bad request got its 4xx, never a 5xx; unusual valid input a 200;
+* ``overload_429``: bursts above the bound got 429s, each with ``Retry-After``;
+* ``no_unexpected_failures``: no valid request failed outside a Worker/Router kill window;
+* ``worker_kill``/``router_kill``: requests in flight got a clear error or completed, Serve
+  replaced the replica within ``RECOVERY_TIMEOUT_S`` and requests succeed afterwards;
+* ``scale_down``: the Worker count went 2 -> 1 under load and no request failed meanwhile;
+* ``kv_free_queues_empty``: afterwards each Worker's free KV blocks equal its total, its
+  waiting and running queues are empty, and so are the Router's;
+* ``memory_stable``: no replica's RSS grew by more than ``--memory-slack-mib`` (or 5%) from
+  the first fault-free pass to the second;
+* ``api_key_not_logged``: (own app) neither the API key nor a wrong key sent appears in any
+  log file of the cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import secrets
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving_benchmark import check_loopback  # noqa: E402
+from soak_mix import Limits, Mix, References, Spec, Verdict, verify  # noqa: E402
+
+MAX_DURATION_S = 3600.0
+MAX_CONCURRENCY = 64
+RECOVERY_TIMEOUT_S = 180.0
+SETTLE_TIMEOUT_S = 60.0
+KILL_FAULTS = ("worker_kill", "router_kill")
+ALL_FAULTS = ("worker_kill", "router_kill", "scale_down")
+
+
+def own_app_args(api_key_file: str | None, max_waiting: int, model: str | None) -> dict:
+    """The app the soak starts: small bounds so that overload and limits are reached. The key
+    comes from a file, as in production (``args`` are visible in ``serve status``)."""
+    args = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": 8 << 20,
+            "num_threads": 1, "accelerator": "cpu", "worker_num_cpus": 0.5,
+            "router_num_cpus": 0.25, "num_routers": 2, "routing_stats_period_s": 0.5,
+            "health_check_period_s": 2.0, "max_batch_size": 8, "batch_wait_ms": 5,
+            "max_waiting_requests": max_waiting, "max_request_body_bytes": 64 << 10,
+            "max_n": 4, "max_tokens_limit": 128, "worker_drain_timeout_s": 60.0,
+            "api_key_file": api_key_file}
+    if model:
+        args["model"] = model
+    return args
+
+
+@dataclass
+class Outcome:
+    spec: Spec
+    status: int  # 0: no HTTP answer (connection error, or hung)
+    verdict: Verdict
+    start: float
+    end: float
+    hung: bool = False
+    phase: str = "main"
+
+
+@dataclass
+class Fault:
+    name: str
+    start: float
+    end: float | None = None  # when the service had recovered; None: it did not
+    detail: dict = field(default_factory=dict)
+
+
+class Runner:
+    """Sends specs and keeps every outcome; times are seconds since the run started."""
+
+    def __init__(self, url: str, limits: Limits, deadline_s: float, seed: int) -> None:
+        self.url = url
+        self.mix = Mix(limits, seed)
+        self.refs = References()
+        self.deadline_s = deadline_s
+        self.outcomes: list[Outcome] = []
+        self.t0 = time.monotonic()
+        self.phase = "main"
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    async def send(self, session: aiohttp.ClientSession, spec: Spec, record: bool = True,
+                   ) -> Outcome:
+        start = self.now()
+        headers = {**spec.headers, "X-Request-Id": spec.request_id}
+        data = _chunks(spec.body) if spec.chunked and spec.body is not None else spec.body
+        status, hung = 0, False
+        try:
+            async with asyncio.timeout(self.deadline_s):
+                async with session.request(spec.method, self.url + spec.path, data=data,
+                                           headers=headers) as resp:
+                    status = resp.status
+                    hdrs = {k.lower(): v for k, v in resp.headers.items()}
+                    if status == 200 and spec.stream:
+                        events, done = await _read_sse(resp, spec.disconnect_after)
+                        if spec.disconnect_after is not None:
+                            resp.close()  # the client goes away mid-stream
+                        verdict = verify(spec, status, hdrs, events, self.refs, done)
+                    else:
+                        verdict = verify(spec, status, hdrs, await resp.read(), self.refs)
+        except TimeoutError:
+            hung = True
+            verdict = Verdict("hung", [("no_hung", f"{spec.kind} {spec.request_id}: no answer "
+                                        f"within {self.deadline_s}s")], detail="hung")
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            verdict = Verdict("failed", [], False, detail=f"transport:{type(exc).__name__}")
+        out = Outcome(spec, status, verdict, start, self.now(), hung, self.phase)
+        if record:
+            self.outcomes.append(out)
+        return out
+
+    async def clients(self, session: aiohttp.ClientSession, concurrency: int, until: float,
+                      bad_fraction: float = 0.0, limit: int | None = None) -> None:
+        """``concurrency`` loops sending the mix until ``until`` (or ``limit`` requests)."""
+        budget = [limit if limit is not None else 10 ** 9]
+
+        async def loop() -> None:
+            while self.now() < until and budget[0] > 0:
+                budget[0] -= 1
+                bad = self.mix.rng.random() < bad_fraction
+                await self.send(session, self.mix.random_bad() if bad else
+                                self.mix.random_valid())
+
+        await asyncio.gather(*(loop() for _ in range(concurrency)))
+
+    async def bursts(self, session: aiohttp.ClientSession, size: int, every_s: float,
+                     until: float) -> None:
+        while self.now() + every_s < until:
+            await asyncio.sleep(every_s)
+            await asyncio.gather(*(self.send(session, self.mix.burst()) for _ in range(size)))
+
+    async def every_bad_case(self, session: aiohttp.ClientSession) -> None:
+        for case in self.mix.bad_cases:
+            await self.send(session, self.mix.bad(case))
+
+    async def probe_until_ok(self, session: aiohttp.ClientSession, timeout_s: float) -> int:
+        """Send probes until one completes; the number of failed ones (-1: none succeeded)."""
+        failed, deadline = 0, self.now() + timeout_s
+        while self.now() < deadline:
+            out = await self.send(session, self.mix.probe(), record=False)
+            if out.verdict.category == "completed":
+                return failed
+            failed += 1
+            await asyncio.sleep(0.5)
+        return -1
+
+    async def stats(self, session: aiohttp.ClientSession) -> dict:
+        async with session.get(self.url + "/v1/stats", headers=self.mix.headers(),
+                               timeout=aiohttp.ClientTimeout(total=30)) as resp:
+            return await resp.json()
+
+    async def settle(self, session: aiohttp.ClientSession, num_workers: int | None) -> dict:
+        """Wait (bounded) until every Worker is idle with all KV blocks free; last stats."""
+        deadline, stats = self.now() + SETTLE_TIMEOUT_S, {}
+        while self.now() < deadline:
+            try:
+                stats = await self.stats(session)
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                stats = {}
+            if stats and idle(stats, num_workers):
+                break
+            await asyncio.sleep(0.5)
+        return stats
+
+
+def idle(stats: dict, num_workers: int | None) -> bool:
+    workers = stats.get("workers", [])
+    router = stats.get("router", {})
+    return (bool(workers) and (num_workers is None or len(workers) == num_workers)
+            and all(w["num_free_blocks"] == w["num_total_blocks"] and w["num_waiting"] == 0
+                    and w["num_running"] == 0 for w in workers)
+            and router.get("num_waiting", 0) == 0 and router.get("num_active", 0) == 0)
+
+
+async def _chunks(data: bytes, size: int = 16384):
+    for i in range(0, len(data), size):
+        yield data[i:i + size]
+
+
+async def _read_sse(resp: aiohttp.ClientResponse, stop_after: int | None,
+                    ) -> tuple[list[str], bool]:
+    """The ``data:`` payloads in order, and whether ``[DONE]`` ended the stream."""
+    events: list[str] = []
+    try:
+        async for raw in resp.content:
+            line = raw.decode("utf-8", "replace").strip()
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:])
+            if stop_after is not None and len(events) >= stop_after:
+                return events, False
+            if events[-1] == "[DONE]":
+                rest = await resp.content.read()  # nothing may follow [DONE]
+                if rest.strip():
+                    events.append(rest.decode("utf-8", "replace"))
+                return events, True
+    except aiohttp.ClientPayloadError:
+        pass
+    return events, False
+
+
+# ---- faults (own app only) --------------------------------------------------------------------
+
+class Faults:
+    """Injects the faults into a ``LocalApp`` and times the recovery from each."""
+
+    def __init__(self, app, runner: Runner, session: aiohttp.ClientSession) -> None:
+        self.app, self.runner, self.session = app, runner, session
+        self.log: list[Fault] = []
+
+    async def run(self, names: list[str], at: list[float]) -> None:
+        """Each fault in turn, the k-th not before ``at[k]`` seconds into the run."""
+        for name, when in zip(names, at):
+            await asyncio.sleep(max(0.0, when - self.runner.now()))
+            if name == "scale_down":
+                await self.scale(name, 1)
+                await self.scale("scale_up", 2)
+            else:
+                await self.kill(name)
+
+    async def kill(self, name: str) -> None:
+        deployment = "Worker" if name == "worker_kill" else "Router"
+        target = self.app.num_workers if deployment == "Worker" else self.app.cfg.num_routers
+        fault = Fault(name, self.runner.now())
+        self.log.append(fault)
+        replica, pid = await asyncio.to_thread(self.app.kill, deployment)
+        fault.detail.update(replica=replica, pid=pid)
+        await self._recover(fault, deployment, target, pid)
+
+    async def scale(self, name: str, num_workers: int) -> None:
+        fault = Fault(name, self.runner.now(), detail={"workers": num_workers})
+        self.log.append(fault)
+        await asyncio.to_thread(self.app.scale, num_workers)
+        await self._recover(fault, "Worker", num_workers, None)
+
+    async def _recover(self, fault: Fault, deployment: str, target: int, gone: int | None) -> None:
+        from soak_cluster import wait_for
+
+        took = await asyncio.to_thread(wait_for, lambda: self.app.settled(deployment, target, gone),
+                                       RECOVERY_TIMEOUT_S)
+        if took is None:
+            fault.detail["error"] = f"{deployment} replicas did not settle at {target}"
+            return
+        if deployment == "Worker":  # the Routers see the new set of Workers
+            deadline = self.runner.now() + RECOVERY_TIMEOUT_S
+            while self.runner.now() < deadline:
+                stats = await self.runner.stats(self.session)
+                if len(stats.get("workers", [])) == target:
+                    break
+                await asyncio.sleep(0.5)
+        failed = await self.runner.probe_until_ok(self.session, RECOVERY_TIMEOUT_S)
+        fault.detail["failed_probes"] = failed
+        if failed >= 0:
+            fault.end = self.runner.now()
+
+
+# ---- the run -----------------------------------------------------------------------------------
+
+async def discover(url: str, args: argparse.Namespace) -> Limits:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url + "/v1/models", headers=headers) as resp:
+            card = (await resp.json())["data"][0]
+    return Limits(model=card["id"], max_model_len=card["max_model_len"],
+                  max_body_bytes=args.max_body_bytes, max_n=args.max_n,
+                  max_tokens_limit=args.max_tokens_limit,
+                  max_waiting_requests=args.max_waiting, api_key=args.api_key)
+
+
+async def wait_healthy(url: str, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            try:
+                async with s.get(url + "/health") as resp:
+                    if resp.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(1.0)
+    raise SystemExit(f"{url}/health did not answer 200 within {timeout_s:.0f}s")
+
+
+async def soak(args: argparse.Namespace, app=None) -> dict:
+    """Run the soak against ``args.url`` (or ``app``, a ``LocalApp``); the report."""
+    url = app.url if app is not None else args.url
+    await wait_healthy(url)
+    runner = Runner(url, await discover(url, args), args.deadline, args.seed)
+    faults_log: list[Fault] = []
+    memory: list[dict[str, int]] = []
+    connector = aiohttp.TCPConnector(limit=args.concurrency + args.burst_size + 16)
+    async with aiohttp.ClientSession(connector=connector,
+                                     timeout=aiohttp.ClientTimeout(total=None)) as session:
+        until = runner.now() + args.duration
+        tasks = [runner.clients(session, args.concurrency, until, args.bad_fraction),
+                 runner.every_bad_case(session)]
+        if args.burst_size:
+            tasks.append(runner.bursts(session, args.burst_size, args.burst_every, until))
+        if app is not None and args.faults:
+            faults = Faults(app, runner, session)
+            faults_log = faults.log
+            step = args.duration / (len(args.faults) + 1)
+            tasks.append(faults.run(args.faults, [step * (k + 1) for k in
+                                                   range(len(args.faults))]))
+        await asyncio.gather(*tasks)
+        workers = app.num_workers if app is not None else None
+        after_main = await runner.settle(session, workers)
+        final = after_main
+        for k in range(2 if args.memory_requests else 0):
+            runner.phase = f"memory{k + 1}"
+            await runner.clients(session, args.concurrency, float("inf"),
+                                 limit=args.memory_requests)
+            final = await runner.settle(session, workers)
+            memory.append(await read_memory(runner, session, app))
+    report = summarize(runner, faults_log, after_main, final, memory, args)
+    if app is not None and args.api_key:
+        leaked = app.find_in_logs([args.api_key, "wrong-key-"])
+        report["invariants"]["api_key_not_logged"] = not leaked
+        if leaked:
+            report["violations"].append(f"api key in logs: {leaked[:5]}")
+    report["passed"] = all(report["invariants"].values())
+    return report
+
+
+async def read_memory(runner: Runner, session: aiohttp.ClientSession, app) -> dict[str, int]:
+    if app is not None:
+        return await asyncio.to_thread(app.rss_bytes)
+    stats = await runner.stats(session)
+    return {f"Worker/{w['replica']}": int(w["rss_bytes"]) for w in stats.get("workers", [])
+            if w.get("rss_bytes")}
+
+
+# ---- the report --------------------------------------------------------------------------------
+
+def summarize(runner: Runner, faults: list[Fault], after_main: dict, final: dict,
+              memory: list[dict[str, int]], args: argparse.Namespace) -> dict:
+    outs = runner.outcomes
+    problems: dict[str, list[str]] = {k: [] for k in (
+        "no_hung", "belongs", "errors_openai_shape", "bad_input_4xx", "overload_429",
+        "no_unexpected_failures")}
+    for f in faults:
+        problems.setdefault("scale_down" if f.name == "scale_up" else f.name, [])
+    for o in outs:
+        kill = _window(o, faults, KILL_FAULTS)
+        failed = o.verdict.category == "failed"
+        fault_error = kill is not None and failed and (
+            o.status >= 500 or o.status == 0 or o.verdict.detail in ("stream_error", "stream_cut"))
+        for inv, text in o.verdict.problems:
+            if not (fault_error and inv in ("bad_input_4xx", "errors_openai_shape")):
+                problems[inv].append(text)
+        if fault_error:
+            seen = kill.detail.setdefault("in_flight_errors", {})
+            label = f"{o.verdict.detail}{'' if o.verdict.error_shaped else ' (not OpenAI-shaped)'}"
+            seen[label] = seen.get(label, 0) + 1
+            examples = kill.detail.setdefault("examples", [])
+            if len(examples) < 3 and o.verdict.sample:
+                examples.append(f"{o.status} {o.verdict.sample[:100]}")
+            if not _clear(o, kill):
+                problems[kill.name].append(f"{o.spec.kind}: unclear error {o.verdict.detail}")
+        if failed and not o.spec.bad and kill is None:
+            problems["no_unexpected_failures"].append(
+                f"{o.spec.kind} {o.spec.request_id} at {o.start:.1f}s: {o.verdict.detail}")
+        if (failed or o.hung) and _window(o, faults, ("scale_down", "scale_up")):
+            problems["scale_down"].append(f"{o.spec.kind} at {o.start:.1f}s: {o.verdict.detail}")
+    for f in faults:
+        if f.end is None:
+            problems["scale_down" if f.name == "scale_up" else f.name].append(
+                f"{f.name} at {f.start:.1f}s did not recover: {f.detail}")
+    bursts = [o for o in outs if o.spec.kind == "burst"]
+    if bursts and args.burst_size > args.max_waiting and not any(o.status == 429 for o in bursts):
+        problems["overload_429"].append(f"bursts of {args.burst_size} got no 429")
+    for name, stats in (("after the run", after_main), ("after the memory passes", final)):
+        if not idle(stats, None):
+            problems.setdefault("kv_free_queues_empty", []).append(f"not idle {name}: {stats}")
+    problems.setdefault("kv_free_queues_empty", [])
+    if len(memory) == 2:
+        problems["memory_stable"] = _memory_growth(memory, args.memory_slack_mib)
+    report = _counts(runner, outs)
+    report.update(
+        faults=[{"name": f.name, "at_s": round(f.start, 1),
+                 "recovery_s": None if f.end is None else round(f.end - f.start, 1),
+                 **f.detail} for f in faults],
+        kv=[{"replica": w.get("replica"), "free_blocks": w["num_free_blocks"],
+             "total_blocks": w["num_total_blocks"], "waiting": w["num_waiting"],
+             "running": w["num_running"]} for w in final.get("workers", [])],
+        rss_mib=[{k: round(v / 2 ** 20, 1) for k, v in sorted(m.items())} for m in memory],
+        invariants={k: not v for k, v in problems.items()},
+        violations=[f"{k}: {t}" for k, v in problems.items() for t in v[:5]],
+        reference_prompts=len(runner.refs.texts))
+    return report
+
+
+def _window(o: Outcome, faults: list[Fault], names: tuple[str, ...]) -> Fault | None:
+    for f in faults:
+        if f.name in names and o.start < (f.end if f.end is not None else 1e18) \
+                and o.end > f.start:
+            return f
+    return None
+
+
+def _clear(o: Outcome, fault: Fault) -> bool:
+    """A Worker kill must give an error in OpenAI's shape (JSON or an SSE error event); a
+    killed Router's requests end however Serve's proxy ends them (counted, not judged)."""
+    return fault.name == "router_kill" or o.verdict.error_shaped
+
+
+def _memory_growth(memory: list[dict[str, int]], slack_mib: float) -> list[str]:
+    first, second = memory
+    out = []
+    for key in sorted(first.keys() & second.keys()):
+        allowed = max(slack_mib * 2 ** 20, 0.05 * first[key])
+        if second[key] - first[key] > allowed:
+            out.append(f"{key}: {first[key] / 2 ** 20:.1f} -> {second[key] / 2 ** 20:.1f} MiB")
+    if not first.keys() & second.keys():
+        out.append("no replica lived through both passes")
+    return out
+
+
+def _counts(runner: Runner, outs: list[Outcome]) -> dict:
+    by = Counter(o.verdict.category for o in outs)
+    lat = sorted(o.end - o.start for o in outs
+                 if o.verdict.category == "completed" and not o.spec.bad)
+    kinds = Counter(o.spec.kind.split(":")[0] for o in outs)
+    return {
+        "duration_s": round(runner.now(), 1), "sent": len(outs),
+        "completed": by["completed"], "disconnected": by["disconnected"],
+        "rejected": dict(Counter(o.verdict.detail for o in outs
+                                 if o.verdict.category == "rejected")),
+        "failed": dict(Counter(o.verdict.detail or str(o.status) for o in outs
+                               if o.verdict.category == "failed")),
+        "hung": by["hung"], "kinds": dict(kinds),
+        "bad_cases_sent": len({o.spec.kind for o in outs if o.spec.bad}),
+        "bad_cases_defined": len(runner.mix.bad_cases),
+        "latency_p50_s": _pct(lat, 0.50), "latency_p99_s": _pct(lat, 0.99),
+    }
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    return round(values[min(len(values) - 1, int(q * len(values)))], 3)
+
+
+def table(report: dict) -> str:
+    rows = [("requests sent", report["sent"]), ("completed", report["completed"]),
+            ("client disconnects", report["disconnected"]),
+            ("rejected", _fmt(report["rejected"])), ("failed", _fmt(report["failed"])),
+            ("hung", report["hung"]),
+            ("latency p50 / p99 (s)", f"{report['latency_p50_s']} / {report['latency_p99_s']}")]
+    for f in report["faults"]:
+        rows.append((f"fault {f['name']} at {f['at_s']}s",
+                     f"recovered in {f['recovery_s']}s" if f["recovery_s"] is not None
+                     else "NOT recovered"))
+    for w in report["kv"]:
+        rows.append((f"Worker {w['replica']} KV free/total",
+                     f"{w['free_blocks']}/{w['total_blocks']} (waiting {w['waiting']}, "
+                     f"running {w['running']})"))
+    for k, m in enumerate(report["rss_mib"]):
+        rows.append((f"RSS after memory pass {k + 1} (MiB)", _fmt(m)))
+    rows += [(f"invariant {k}", "pass" if ok else "FAIL")
+             for k, ok in report["invariants"].items()]
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _fmt(d: dict) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in sorted(d.items())) or "-"
+
+
+# ---- command line ------------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--url", help="a running app on this machine (loopback only); default: "
+                   "start one on a local Ray cluster, with faults")
+    p.add_argument("--duration", type=float, default=120.0,
+                   help=f"seconds of mixed traffic (at most {MAX_DURATION_S:.0f})")
+    p.add_argument("--concurrency", type=int, default=8,
+                   help=f"client loops (at most {MAX_CONCURRENCY})")
+    p.add_argument("--deadline", type=float, default=60.0, help="seconds a request may take")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bad-fraction", type=float, default=0.1)
+    p.add_argument("--burst-size", type=int, default=None,
+                   help="requests per burst (default: twice the admission bound + 4 for the "
+                   "own app, none with --url); capped at 256")
+    p.add_argument("--burst-every", type=float, default=20.0)
+    p.add_argument("--faults", default=",".join(ALL_FAULTS),
+                   help=f"own app: comma-separated from {', '.join(ALL_FAULTS)}, or none")
+    p.add_argument("--memory-requests", type=int, default=200,
+                   help="requests per fault-free memory pass (0: skip the memory check)")
+    p.add_argument("--memory-slack-mib", type=float, default=32.0)
+    p.add_argument("--api-key", help="the server's API key (--url); the own app makes one")
+    p.add_argument("--no-auth", action="store_true", help="own app: no API key")
+    p.add_argument("--model", help="own app: checkpoint folder (default: the default model)")
+    p.add_argument("--max-waiting", type=int, help="the server's max_waiting_requests")
+    p.add_argument("--max-body-bytes", type=int, help="the server's max_request_body_bytes")
+    p.add_argument("--max-n", type=int, help="the server's max_n")
+    p.add_argument("--max-tokens-limit", type=int, help="the server's max_tokens_limit")
+    p.add_argument("--json-only", action="store_true")
+    args = p.parse_args(argv)
+    return finish_args(args)
+
+
+def finish_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Caps, and the defaults that depend on whether the soak starts its own app."""
+    args.duration = min(max(args.duration, 1.0), MAX_DURATION_S)
+    args.concurrency = min(max(args.concurrency, 1), MAX_CONCURRENCY)
+    args.deadline = min(max(args.deadline, 1.0), 600.0)
+    own = args.url is None
+    if own:
+        args.api_key = None if args.no_auth else (args.api_key or secrets.token_urlsafe(24))
+    defaults = {"max_waiting": 16 if own else 1024, "max_body_bytes": 65536 if own else 4 << 20,
+                "max_n": 4 if own else 16, "max_tokens_limit": 128 if own else None}
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.burst_size is None:
+        args.burst_size = 2 * args.max_waiting + 4 if own else 0
+    args.burst_size = min(max(args.burst_size, 0), 256)
+    names = [] if args.faults in ("", "none") else args.faults.split(",")
+    unknown = set(names) - set(ALL_FAULTS)
+    if unknown:
+        raise SystemExit(f"--faults: unknown {sorted(unknown)}; known: {', '.join(ALL_FAULTS)}")
+    args.faults = names if own else []
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    app, key_file = None, None
+    if args.url:
+        check_loopback(args.url)
+        args.url = args.url.rstrip("/")
+    try:
+        if not args.url:
+            from soak_cluster import LocalApp, write_key_file
+
+            key_file = write_key_file(args.api_key) if args.api_key else None
+            app = LocalApp(own_app_args(key_file, args.max_waiting, args.model), num_workers=2)
+        report = asyncio.run(soak(args, app))
+    finally:
+        if app is not None:
+            app.close()
+        if key_file is not None:
+            Path(key_file).unlink(missing_ok=True)
+    print(json.dumps(report))
+    if not args.json_only:
+        print(table(report))
+        for v in report["violations"][:20]:
+            print("violation:", v)
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

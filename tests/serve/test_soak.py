@@ -1,0 +1,131 @@
+"""A short soak (``load_tests/soak.py``) on one local Ray cluster: about a minute of mixed
+traffic at concurrency 4 with every kind of bad request, bursts over the admission bound and one
+Worker replica killed mid-run, then two fault-free passes for the memory check. Every
+invariant the soak checks must hold.
+
+The checker itself is tested first, on made-up answers: it must catch each broken promise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "load_tests"))
+import soak  # noqa: E402
+from soak_mix import Limits, Mix, References, verify  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+
+INVARIANTS = {"no_hung", "belongs", "errors_openai_shape", "bad_input_4xx", "overload_429",
+              "no_unexpected_failures", "worker_kill", "kv_free_queues_empty", "memory_stable",
+              "api_key_not_logged"}
+
+
+# ---- the checker catches broken promises -------------------------------------------------------
+
+def _answer(spec, texts, prompt_tokens=7, rid=None, finish="length"):
+    choices = [{"index": k, "text": t, "finish_reason": finish} for k, t in enumerate(texts)]
+    return json.dumps({"id": f"cmpl-{rid or spec.request_id}", "choices": choices, "usage": {
+        "prompt_tokens": prompt_tokens, "completion_tokens": spec.max_tokens * len(texts)}})
+
+
+def _problems(spec, status, payload, refs, headers=None, done=True):
+    verdict = verify(spec, status, headers or {}, payload, refs, done)
+    return verdict.category, sorted({inv for inv, _ in verdict.problems})
+
+
+def test_checker_catches_each_broken_promise():
+    mix, refs = Mix(Limits(model="m", max_model_len=256, api_key="k")), References()
+    spec = mix.valid("completion")
+    assert _problems(spec, 200, _answer(spec, ["abc"]), refs) == ("completed", [])
+    assert _problems(spec, 200, _answer(spec, ["abc"]), refs) == ("completed", [])
+    other = mix.valid("completion")
+    other.keys = spec.keys  # same prompt, different request
+    assert _problems(other, 200, _answer(other, ["xyz"]), refs) == ("failed", ["belongs"])
+    assert _problems(other, 200, _answer(other, ["abc"], rid="soak-999"), refs)[1] == ["belongs"]
+    assert _problems(other, 200, _answer(other, ["abc"], prompt_tokens=8), refs)[1] == ["belongs"]
+    assert _problems(other, 200, _answer(other, ["abc", "abc"]), refs)[1] == ["belongs"]
+    assert _problems(other, 200, _answer(other, ["abc"], finish="stop"), refs)[1] == ["belongs"]
+
+    shaped = json.dumps({"error": {"message": "busy", "type": "rate_limit_error", "param": None,
+                                   "code": None}})
+    assert _problems(spec, 429, shaped, refs, {"retry-after": "2"}) == ("rejected", [])
+    assert _problems(spec, 429, shaped, refs) == ("rejected", ["overload_429"])
+    assert _problems(spec, 500, "Internal Server Error", refs) == ("failed",
+                                                                   ["errors_openai_shape"])
+    bad = mix.bad(next(c for c in mix.bad_cases if c.name == "n_zero"))
+    assert _problems(bad, 400, shaped, refs) == ("rejected", [])
+    assert _problems(bad, 500, shaped, refs) == ("failed", ["bad_input_4xx"])
+    assert _problems(bad, 422, '{"detail": []}', refs) == ("failed", ["bad_input_4xx",
+                                                                       "errors_openai_shape"])
+
+
+def test_checker_reads_streams():
+    mix, refs = Mix(Limits(model="m", max_model_len=256)), References()
+    spec = mix.valid("completion_stream")
+
+    def chunk(text, finish=None, usage=None):
+        body = {"id": f"cmpl-{spec.request_id}",
+                "choices": [] if usage else [{"index": 0, "text": text, "finish_reason": finish}]}
+        if usage:
+            body["usage"] = usage
+        return json.dumps(body)
+
+    usage = {"prompt_tokens": 5, "completion_tokens": spec.max_tokens}
+    events = [chunk("ab"), chunk("c", "length"), chunk("", usage=usage), "[DONE]"]
+    assert _problems(spec, 200, events, refs) == ("completed", [])
+    assert _problems(spec, 200, events + ["[DONE]"], refs)[1] == ["belongs"]
+    late = [chunk("ab"), chunk("c", "length"), chunk("d"), chunk("", usage=usage), "[DONE]"]
+    assert _problems(spec, 200, late, refs)[1] == ["belongs"]
+    assert _problems(spec, 200, events[:2], refs, done=False) == ("failed", [])
+    error = json.dumps({"error": {"message": "Worker unavailable", "type": "x", "param": None,
+                                  "code": None}})
+    verdict = verify(spec, 200, {}, [chunk("ab"), error, "[DONE]"], refs)
+    assert (verdict.category, verdict.detail, verdict.error_shaped) == ("failed",
+                                                                         "stream_error", True)
+
+
+# ---- the soak ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def soaked():
+    from soak_cluster import LocalApp, write_key_file
+
+    args = soak.parse_args(["--duration", "50", "--concurrency", "4", "--faults", "worker_kill",
+                            "--memory-requests", "40", "--burst-every", "12"])
+    key_file = write_key_file(args.api_key)
+    try:
+        app = LocalApp(soak.own_app_args(key_file, args.max_waiting, None), num_workers=2)
+        try:
+            report = asyncio.run(soak.soak(args, app))
+        finally:
+            app.close()
+    finally:
+        os.unlink(key_file)
+    print(json.dumps(report))
+    print(soak.table(report))
+    return report
+
+
+def test_every_invariant_holds(soaked):
+    assert set(soaked["invariants"]) == INVARIANTS
+    assert soaked["violations"] == [] and soaked["passed"]
+
+
+def test_the_run_covered_the_mix_and_the_fault(soaked):
+    assert soaked["hung"] == 0 and soaked["completed"] > 100
+    assert {"completion", "completion_stream", "chat", "chat_stream", "echo", "multi",
+            "disconnect", "burst", "bad", "edge"} <= set(soaked["kinds"])
+    assert soaked["bad_cases_sent"] == soaked["bad_cases_defined"]
+    assert {"400", "401", "404", "405", "413", "429"} <= set(soaked["rejected"])
+    (kill,) = soaked["faults"]
+    assert kill["name"] == "worker_kill" and kill["recovery_s"] is not None
+    assert len(soaked["kv"]) == 2 and all(w["free_blocks"] == w["total_blocks"]
+                                          for w in soaked["kv"])
+    assert len(soaked["rss_mib"]) == 2
