@@ -23,13 +23,20 @@ def gather_kv_ref(cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: i
     return cache[blocks].flatten(1, 2)[:, :num_tokens]
 
 
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """bfloat16 stays bfloat16 (torch's CPU flash attention accumulates in float32 inside, and
+    skipping the upcast halves the bytes moved); other dtypes compute in float32."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
 def _decode_ref(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len):
-    """One query token per sequence: query [B, Hq, D] -> [B, Hq, D] float32, one batched call."""
+    """One query token per sequence: query [B, Hq, D] -> [B, Hq, D], one batched call."""
     batch, num_q_heads, head_size = query.shape
     num_kv_heads = k_cache.shape[2]
-    k = gather_kv_ref(k_cache, block_tables, max_seq_len).float().transpose(1, 2)  # [B, Hk, L, D]
-    v = gather_kv_ref(v_cache, block_tables, max_seq_len).float().transpose(1, 2)
-    q = query.float().view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_size)
+    dt = _compute_dtype(query.dtype)
+    k = gather_kv_ref(k_cache, block_tables, max_seq_len).to(dt).transpose(1, 2)  # [B, Hk, L, D]
+    v = gather_kv_ref(v_cache, block_tables, max_seq_len).to(dt).transpose(1, 2)
+    q = query.to(dt).view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_size)
     valid = torch.arange(k.shape[2], device=query.device) < seq_lens[:, None]  # [B, L]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], scale=scale)
     out = torch.where((seq_lens > 0)[:, None, None, None], out, 0.0)
@@ -37,15 +44,22 @@ def _decode_ref(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_
 
 
 def _prefill_ref(query, k_cache, v_cache, block_table, seq_len, scale):
-    """One sequence's chunk: query [q_len, Hq, D] (its last q_len positions) -> float32."""
+    """One sequence's chunk: query [q_len, Hq, D] (its last q_len positions)."""
     q_len, num_q_heads, head_size = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    k = gather_kv_ref(k_cache, block_table[None], seq_len).float().transpose(1, 2)  # [1, Hk, L, D]
-    v = gather_kv_ref(v_cache, block_table[None], seq_len).float().transpose(1, 2)
+    dt = _compute_dtype(query.dtype)
+    k = gather_kv_ref(k_cache, block_table[None], seq_len).to(dt).transpose(1, 2)  # [1, Hk, L, D]
+    v = gather_kv_ref(v_cache, block_table[None], seq_len).to(dt).transpose(1, 2)
+    if q_len == seq_len:  # nothing cached before the chunk: plain causal attention, GQA-expanded
+        q = query.to(dt).transpose(0, 1)[None]  # [1, Hq, q_len, D]
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return out[0].transpose(0, 1)
     # [q_len, Hk, G, D] -> [1, Hk, G * q_len, D]: each kv head serves its G query heads in one call
     # (4-D inputs take torch's fused CPU attention; 3-D ones fall back to the slow math path).
-    q = query.float().view(q_len, num_kv_heads, group, head_size).permute(1, 2, 0, 3)
+    q = query.to(dt).view(q_len, num_kv_heads, group, head_size).permute(1, 2, 0, 3)
     q = q.reshape(1, num_kv_heads, group * q_len, head_size)
     q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
     causal = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]  # [q_len, L]
