@@ -49,8 +49,15 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving_benchmark import check_loopback  # noqa: E402
-from soak_mix import Limits, Mix, References, Spec, Verdict, verify  # noqa: E402
+from soak_mix import (  # noqa: E402
+    Limits,
+    Mix,
+    References,
+    Spec,
+    Verdict,
+    require_loopback,
+    verify,
+)
 
 MAX_DURATION_S = 3600.0
 MAX_CONCURRENCY = 64
@@ -297,7 +304,7 @@ async def discover(url: str, args: argparse.Namespace) -> Limits:
                   max_waiting_requests=args.max_waiting, api_key=args.api_key)
 
 
-async def wait_healthy(url: str, timeout_s: float = 300.0) -> None:
+async def wait_healthy(url: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession() as s:
         while time.monotonic() < deadline:
@@ -343,6 +350,8 @@ async def soak(args: argparse.Namespace, app=None) -> dict:
             final = await runner.settle(session, workers)
             memory.append(await read_memory(runner, session, app))
     report = summarize(runner, faults_log, after_main, final, memory, args)
+    if app is not None:
+        report["retried_after_worker_death"] = app.retried_requests()
     if app is not None and args.api_key:
         leaked = app.find_in_logs([args.api_key, "wrong-key-"])
         report["invariants"]["api_key_not_logged"] = not leaked
@@ -559,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     app, key_file = None, None
     if args.url:
-        check_loopback(args.url)
+        require_loopback(args.url)
         args.url = args.url.rstrip("/")
     try:
         if not args.url:

@@ -17,6 +17,7 @@ Nothing here is imported by the serving code.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -151,6 +152,14 @@ class LocalApp:
                 if rss is not None:
                     out[f"{deployment}/{replica}"] = rss
         return out
+
+    def retried_requests(self) -> int:
+        """Requests the Routers sent again after their Worker died (from the Router logs)."""
+        total = 0
+        for path in (Path(self.temp_dir) / "session_latest" / "logs").rglob("*Router*"):
+            text = path.read_text(errors="replace") if path.is_file() else ""
+            total += sum(int(n) for n in re.findall(r"retrying (\d+) requests", text))
+        return total
 
     def find_in_logs(self, needles: list[str]) -> list[str]:
         """Log files of this cluster's session that contain any of ``needles``."""

@@ -16,11 +16,14 @@ shape, a 429 must carry ``Retry-After``, and bad input must get exactly its 4xx.
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import json
 import random
+import socket
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlparse
 
 WORDS = ("time person year way day thing world life hand part child eye woman place work week "
          "case point company number group problem fact river cache block token model layer "
@@ -298,6 +301,20 @@ def bad_cases(limits: Limits) -> list[BadCase]:
                   BadCase("openapi_no_key", None, 404, "/openapi.json", "GET", auth="none"),
                   BadCase("docs_no_key", None, 404, "/docs", "GET", auth="none")]
     return cases
+
+
+def require_loopback(url: str) -> None:
+    """``SystemExit`` unless ``url`` names this machine (every address it resolves to is a
+    loopback address): the soak and the Locust file are load generators, not network tools."""
+    host = urlparse(url).hostname
+    try:
+        addrs = {info[4][0] for info in socket.getaddrinfo(host, None)} if host else set()
+    except socket.gaierror as e:
+        raise SystemExit(f"{url}: cannot resolve {host!r} ({e}); use http://127.0.0.1:PORT") \
+            from None
+    if not addrs or not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs):
+        raise SystemExit(f"{url}: only this machine (loopback) may be loaded, but {host} is "
+                         f"{sorted(addrs)}")
 
 
 # ---- checking an answer ----------------------------------------------------------------------
