@@ -76,6 +76,7 @@ def own_app_args(api_key_file: str | None, max_waiting: int, model: str | None) 
             "health_check_period_s": 2.0, "max_batch_size": 8, "batch_wait_ms": 5,
             "max_waiting_requests": max_waiting, "max_request_body_bytes": 64 << 10,
             "max_n": 4, "max_tokens_limit": 128, "worker_drain_timeout_s": 60.0,
+            "max_num_seqs": 4,  # requests queue in the Workers too: a killed one holds some
             "api_key_file": api_key_file}
     if model:
         args["model"] = model

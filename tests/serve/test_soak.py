@@ -1,7 +1,8 @@
 """A short soak (``load_tests/soak.py``) on one local Ray cluster: about a minute of mixed
 traffic at concurrency 4 with every kind of bad request, bursts over the admission bound and one
 Worker replica killed mid-run, then two fault-free passes for the memory check. Every
-invariant the soak checks must hold.
+invariant the soak checks must hold. Then, on the same app, a Worker is killed while it holds
+queued requests: they run on the other Worker.
 
 The checker itself is tested first, on made-up answers: it must catch each broken promise.
 """
@@ -14,6 +15,7 @@ import os
 import sys
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "load_tests"))
@@ -94,20 +96,29 @@ def test_checker_reads_streams():
 # ---- the soak ------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def soaked():
+def args():
+    return soak.parse_args(["--duration", "50", "--concurrency", "4", "--faults", "worker_kill",
+                            "--memory-requests", "40", "--burst-every", "12"])
+
+
+@pytest.fixture(scope="module")
+def app(args):
     from soak_cluster import LocalApp, write_key_file
 
-    args = soak.parse_args(["--duration", "50", "--concurrency", "4", "--faults", "worker_kill",
-                            "--memory-requests", "40", "--burst-every", "12"])
     key_file = write_key_file(args.api_key)
     try:
         app = LocalApp(soak.own_app_args(key_file, args.max_waiting, None), num_workers=2)
         try:
-            report = asyncio.run(soak.soak(args, app))
+            yield app
         finally:
             app.close()
     finally:
         os.unlink(key_file)
+
+
+@pytest.fixture(scope="module")
+def soaked(args, app):
+    report = asyncio.run(soak.soak(args, app))
     print(json.dumps(report))
     print(soak.table(report))
     return report
@@ -129,3 +140,64 @@ def test_the_run_covered_the_mix_and_the_fault(soaked):
     assert len(soaked["kv"]) == 2 and all(w["free_blocks"] == w["total_blocks"]
                                           for w in soaked["kv"])
     assert len(soaked["rss_mib"]) == 2
+
+
+# ---- a killed Worker's queued requests run elsewhere ---------------------------------------------
+
+MAX_TOKENS = 96
+
+
+async def _stream(session, app, headers, i, state) -> None:
+    body = {"prompt": f"request {i} of the retry test", "max_tokens": MAX_TOKENS,
+            "ignore_eos": True, "temperature": 0, "logprobs": 0, "stream": True}
+    st = state[i] = {"replica": None, "tokens": 0, "error": None, "done": False}
+    async with session.post(app.url + "/v1/completions", json=body, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+        st["replica"] = resp.headers["x-pagedserve-replica"]
+        async for raw in resp.content:
+            data = raw.decode().strip().removeprefix("data: ")
+            if data == "[DONE]":
+                st["done"] = True
+            elif data.startswith("{"):
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    st["error"] = chunk["error"]["message"]
+                for c in chunk.get("choices", []):
+                    st["tokens"] += len(c["logprobs"]["tokens"])
+
+
+async def _kill_one_worker_mid_run(app, headers) -> tuple[str, dict]:
+    """16 streams over 2 Workers of 4 sequence slots each: each Worker runs 4 and queues the
+    rest. Once both run, kill the one holding more; its queued requests have no output yet."""
+    state: dict = {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as session:
+        tasks = [asyncio.create_task(_stream(session, app, headers, i, state))
+                 for i in range(16)]
+        by_replica: dict = {}
+        for _ in range(600):
+            await asyncio.sleep(0.05)
+            by_replica = {}
+            for st in state.values():
+                if st["replica"]:
+                    by_replica.setdefault(st["replica"], []).append(st)
+            if len(by_replica) == 2 and all(any(x["tokens"] for x in v)
+                                            for v in by_replica.values()):
+                break
+        victim = max(by_replica, key=lambda r: len(by_replica[r]))
+        os.kill(dict(app.replica_actors("Worker"))[victim], 9)
+        await asyncio.gather(*tasks)
+    return victim, state
+
+
+def test_queued_requests_of_a_killed_worker_run_on_the_other(soaked, app, args):
+    before = app.retried_requests()
+    headers = {"Authorization": f"Bearer {args.api_key}"}
+    victim, state = asyncio.run(_kill_one_worker_mid_run(app, headers))
+    on_victim = [st for st in state.values() if st["replica"] == victim]
+    assert len(on_victim) > 4  # some were queued there
+    assert all(st["done"] for st in state.values())  # every stream ended properly
+    for st in state.values():  # each one complete, or a clear error (it had streamed tokens)
+        assert (st["error"] is None and st["tokens"] == MAX_TOKENS) or \
+            st["error"] == "Worker unavailable: ActorDiedError", st
+    retried = [st for st in on_victim if st["error"] is None]
+    assert retried and app.retried_requests() - before >= len(retried)
