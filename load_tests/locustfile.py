@@ -22,6 +22,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import locust  # noqa: F401  (first: gevent patches ssl before requests imports it)
 import requests
 from locust import HttpUser, constant, events, task
 

@@ -16,6 +16,7 @@ Nothing here is imported by the serving code.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shutil
@@ -26,7 +27,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from soak_report import Fault
+
 APP = "soak"
+RECOVERY_TIMEOUT_S = 180.0  # for Serve to replace a replica or reach a replica count
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -115,9 +119,11 @@ class LocalApp:
             return False
         return self.replica_states(deployment) == {"RUNNING": target}
 
-    def kill(self, deployment: str) -> tuple[str, int]:
-        """SIGKILL one replica process of ``deployment``; returns its (replica id, pid)."""
-        replica, pid = sorted(self.replica_actors(deployment))[0]
+    def kill(self, deployment: str, replica: str | None = None) -> tuple[str, int]:
+        """SIGKILL the process of replica ``replica`` of ``deployment`` (default: the first);
+        returns its (replica id, pid)."""
+        actors = sorted(self.replica_actors(deployment))
+        replica, pid = next((a for a in actors if a[0] == replica), actors[0])
         os.kill(pid, signal.SIGKILL)
         return replica, pid
 
@@ -205,3 +211,61 @@ def wait_for(check: Any, timeout_s: float, interval_s: float = 0.5) -> float | N
             pass
         time.sleep(interval_s)
     return None
+
+
+class Faults:
+    """Injects the faults into a ``LocalApp`` and times the recovery from each."""
+
+    def __init__(self, app: LocalApp, runner: Any, session: Any) -> None:
+        self.app, self.runner, self.session = app, runner, session
+        self.log: list[Fault] = []
+
+    async def run(self, names: list[str], at: list[float]) -> None:
+        """Each fault in turn, the k-th not before ``at[k]`` seconds into the run."""
+        for name, when in zip(names, at):
+            await asyncio.sleep(max(0.0, when - self.runner.now()))
+            if name == "scale_down":
+                await self.scale(name, 1)
+                await self.scale("scale_up", 2)
+            else:
+                await self.kill(name)
+
+    async def kill(self, name: str) -> None:
+        deployment = "Worker" if name == "worker_kill" else "Router"
+        target = self.app.num_workers if deployment == "Worker" else self.app.cfg.num_routers
+        fault = Fault(name, self.runner.now())
+        self.log.append(fault)
+        busiest = None
+        if deployment == "Worker":  # the one with the most requests: the kill hits work
+            workers = (await self.runner.stats(self.session)).get("workers", [])
+            if workers:
+                top = max(workers, key=lambda w: w["num_running"] + w["num_waiting"])
+                busiest = top["replica"]
+                fault.detail["requests_on_it"] = top["num_running"] + top["num_waiting"]
+        replica, pid = await asyncio.to_thread(self.app.kill, deployment, busiest)
+        fault.detail.update(replica=replica, pid=pid)
+        await self._recover(fault, deployment, target, pid)
+
+    async def scale(self, name: str, num_workers: int) -> None:
+        fault = Fault(name, self.runner.now(), detail={"workers": num_workers})
+        self.log.append(fault)
+        await asyncio.to_thread(self.app.scale, num_workers)
+        await self._recover(fault, "Worker", num_workers, None)
+
+    async def _recover(self, fault: Fault, deployment: str, target: int, gone: int | None) -> None:
+        took = await asyncio.to_thread(wait_for, lambda: self.app.settled(deployment, target, gone),
+                                       RECOVERY_TIMEOUT_S)
+        if took is None:
+            fault.detail["error"] = f"{deployment} replicas did not settle at {target}"
+            return
+        if deployment == "Worker":  # the Routers see the new set of Workers
+            deadline = self.runner.now() + RECOVERY_TIMEOUT_S
+            while self.runner.now() < deadline:
+                stats = await self.runner.stats(self.session)
+                if len(stats.get("workers", [])) == target:
+                    break
+                await asyncio.sleep(0.5)
+        failed = await self.runner.probe_until_ok(self.session, RECOVERY_TIMEOUT_S)
+        fault.detail["failed_probes"] = failed
+        if failed >= 0:
+            fault.end = self.runner.now()
