@@ -122,17 +122,47 @@ def workload(cluster, model_path, prometheus):
         usages = [_complete(client, model_path, BATCH_PROMPTS, 40)]  # preempted: 12 blocks > 10
         usages += [_complete(client, model_path, LONG_PROMPT, 4) for _ in range(2)]  # prefix hit
         usages.append(_chat_stream(client, model_path, 8))
+        statuses, extra = _race_for_429(client, model_path, usages)
+        # More prompts than the whole waiting bound (4) can never be admitted: a 400.
         busy = client.post("/v1/completions", json={"model": model_path, "max_tokens": 2,
                                                     "prompt": BATCH_PROMPTS + ["one too many"]})
-        assert busy.status_code == 429, busy.text
+        assert busy.status_code == 400, busy.text
         too_long = client.post("/v1/completions", json={"model": model_path, "max_tokens": 2,
                                                         "prompt": list(range(1, 200))})
         assert too_long.status_code == 400, too_long.text
         stats = client.get("/v1/stats").json()
-    num_requests = len(BATCH_PROMPTS) + 3
+    num_requests = len(BATCH_PROMPTS) + 3 + extra
     generated = sum(u["completion_tokens"] for u in usages)
     return {"num_requests": num_requests, "prompt": sum(u["prompt_tokens"] for u in usages),
-            "generated": generated, "itl": generated - num_requests, "stats": stats}
+            "generated": generated, "itl": generated - num_requests, "stats": stats,
+            "statuses": statuses}
+
+
+def _race_for_429(client, model_path, usages, tries=20):
+    """Four prompts and one more sent together: while the four wait for their first tokens the
+    waiting bound (4) is full, so one of the two is refused with 429. Returns the status counts
+    and how many prompts the accepted ones carried (their usage is appended)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    statuses = {"200": 0, "429": 0}
+    extra = 0
+    bodies = [(BATCH_PROMPTS, len(BATCH_PROMPTS)), ("one more", 1)]
+    for _ in range(tries):
+        with ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(client.post, "/v1/completions",
+                                   json={"model": model_path, "max_tokens": 2, "prompt": p,
+                                         "ignore_eos": True})
+                       for p, _ in bodies]
+            responses = [f.result() for f in futures]
+        for resp, (_, n) in zip(responses, bodies):
+            assert resp.status_code in (200, 429), resp.text
+            statuses[str(resp.status_code)] += 1
+            if resp.status_code == 200:
+                usages.append(resp.json()["usage"])
+                extra += n
+        if statuses["429"]:
+            return statuses, extra
+    raise AssertionError(f"no 429 in {tries} tries")
 
 
 def _complete(client: httpx.Client, model: str, prompt, max_tokens: int) -> dict:
@@ -189,10 +219,10 @@ def expected_series(work: dict, model: str) -> dict[tuple, float]:
         ("num_requests_waiting",): 0,
         ("kv_cache_usage_perc",): engine["kv_cache_usage"],
         ("router_batch_size_count",): batches,
-        ("router_requests_rejected_total", "queue_full"): 1,
-        ("http_requests_total", c, "200"): 3,
-        ("http_requests_total", c, "429"): 1,
-        ("http_requests_total", c, "400"): 1,
+        ("router_requests_rejected_total", "queue_full"): work["statuses"]["429"],
+        ("http_requests_total", c, "200"): 3 + work["statuses"]["200"],
+        ("http_requests_total", c, "429"): work["statuses"]["429"],
+        ("http_requests_total", c, "400"): 2,
         ("http_requests_total", h, "200"): 1,
     }
 
@@ -281,10 +311,19 @@ def _concrete(expr: str) -> str:
 
 def test_dashboard_queries_parse_and_name_exported_series(cluster, prometheus, workload):
     _, port = cluster
-    exported = {s.name for s in scrape(port)}
-    for expr in expressions():
-        names = set(re.findall(r"\bray_\w+", expr))
-        assert names and names <= exported, (expr, names - exported)
+    wanted = [(expr, set(re.findall(r"\bray_\w+", expr))) for expr in expressions()]
+    assert all(names for _, names in wanted)
+    missing: list = []
+
+    def all_exported():  # Ray's exporter can serve a scrape between two flushes: look again
+        exported = {s.name for s in scrape(port)}
+        missing[:] = [(expr, names - exported) for expr, names in wanted if names - exported]
+        return not missing
+
+    try:
+        wait_until(all_exported, 30, "every dashboard series exported", interval_s=2.0)
+    except TimeoutError:
+        pytest.fail(f"dashboard series not exported: {missing}")
     empty: list[str] = []
 
     def all_have_data():
