@@ -53,6 +53,7 @@ class Batch:
     requests: list[EngineRequest]
     task: asyncio.Task | None = None
     attempt: int = 0  # 1 when these requests are retried after their Worker died
+    avoid_replica: str | None = None  # the replica that died: the retry goes elsewhere
 
     def all_released(self) -> bool:
         return all(r.released or r.finished for r in self.requests)

@@ -7,7 +7,9 @@ call:
   go to that replica and nowhere else: an abort must reach the engine that holds the request.
 * **Batches** (``generate_batch(requests=..., prefix_hashes=...)``) go to the least loaded
   replica, unless one replica already holds a long prefix of the batch's prompts in its cache
-  (*prefix affinity*) and is not much busier (``imbalance_threshold``).
+  (*prefix affinity*) and is not much busier (``imbalance_threshold``). A batch retried after
+  its replica died (``avoid_replica=<id>``) never goes back to that replica; with no other one
+  it waits for Serve to start one.
 
 Load of a replica = its last reported running + waiting requests (``record_routing_stats``,
 every ``routing_stats_period_s``, stamped with the replica's clock) plus the requests this
@@ -54,6 +56,12 @@ class WorkerRequestRouter(RequestRouter):
         target = kwargs.get("target_replica")
         if target is not None:
             return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
+        avoid = kwargs.get("avoid_replica")
+        if avoid is not None:
+            candidate_replicas = [r for r in candidate_replicas
+                                  if r.replica_id.unique_id != avoid]
+            if not candidate_replicas:
+                return []
         ranked = sorted(candidate_replicas, key=self._load_key)
         best = self._affine_replica(ranked, kwargs.get("prefix_hashes"))
         if best is not None:

@@ -59,12 +59,13 @@ class Worker:
     # ---- data path -------------------------------------------------------------------------
 
     async def generate_batch(self, requests: list[tuple], prefix_hashes: list | None = None,
+                             avoid_replica: str | None = None,
                              ) -> AsyncIterator[dict[str, Any]]:
         """Run a batch; ``requests`` = [(request_id, prompt_token_ids, SamplingParams), ...].
 
-        ``prefix_hashes`` is read by the request router only.
+        ``prefix_hashes`` and ``avoid_replica`` are read by the request router only.
         """
-        del prefix_hashes
+        del prefix_hashes, avoid_replica
         self.batches_total += 1
         self.requests_total += len(requests)
         self.batches_running += 1

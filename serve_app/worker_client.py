@@ -6,8 +6,9 @@ Every call goes through the Worker deployment's handle, so replica choice is
 
 A batch whose Worker replica dies (its process killed, the node lost) fails; its requests that
 have no output yet, and whose client still listens, are sent once more as a batch of their
-own, which the request router gives to a live replica. The others get a 503: they have
-streamed tokens already, so running them again would repeat output.
+own, naming the dead replica so that the request router gives it to another one (or waits for
+one). The others get a 503: they have streamed tokens already, so running them again would
+repeat output.
 
 Handle calls are made in an empty ``contextvars.Context``: inside an HTTP request, Serve gives
 every handle call that request's internal request id, and its request router matches pending
@@ -54,9 +55,10 @@ class WorkerClient:
     async def run_batch(self, batch: Batch) -> None:
         """Send one batch in one streaming call and fan its messages out (the batcher's sink)."""
         hashes = [r.prefix_hashes for r in batch.requests]
+        extra = {"avoid_replica": batch.avoid_replica} if batch.avoid_replica else {}
         gen = fresh_call(lambda: self._stream.generate_batch.remote(
             requests=[r.wire() for r in batch.requests],
-            prefix_hashes=hashes if any(hashes) else None,
+            prefix_hashes=hashes if any(hashes) else None, **extra,
         ))
         try:
             await fan_out(batch, gen, self._abort_released)
@@ -76,7 +78,8 @@ class WorkerClient:
     async def _retry(self, failed: Batch, requests: list[EngineRequest]) -> None:
         """Run ``requests`` again in this task (so a client leaving still cancels them)."""
         logger.info("retrying %d requests of a batch whose Worker died", len(requests))
-        again = Batch(requests, task=failed.task, attempt=failed.attempt + 1)
+        again = Batch(requests, task=failed.task, attempt=failed.attempt + 1,
+                      avoid_replica=requests[0].replica)
         for r in requests:
             r.batch, r.replica = again, None  # no abort to the dead replica
         await self.run_batch(again)

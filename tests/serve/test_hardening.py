@@ -3,8 +3,9 @@
 * ``n``, ``max_tokens``, the number of prompts, ``seed`` and ``stop_token_ids`` are bounded
   before a request reaches a Worker (400 naming the field), so one request can neither take
   every KV block nor break an engine step that other requests share.
-* A batch whose Worker dies is retried once for the requests that have no output yet; the
-  others get a 503, and so does everything after a second failure or another kind of error.
+* A batch whose Worker dies is retried once, on another Worker, for the requests that have
+  no output yet; the others get a 503, and so does everything after a second failure or another
+  kind of error.
 """
 
 from __future__ import annotations
@@ -95,14 +96,16 @@ class _Handle:
     def __init__(self, *scripts: list) -> None:
         self.scripts = list(scripts)
         self.batches: list[list[str]] = []
+        self.avoided: list[str | None] = []
 
     def options(self, **_):
         return self
 
     @property
     def generate_batch(self):
-        def remote(requests, prefix_hashes=None):
+        def remote(requests, prefix_hashes=None, avoid_replica=None):
             self.batches.append([r[0] for r in requests])
+            self.avoided.append(avoid_replica)
             return _Stream(self.scripts.pop(0))
 
         return SimpleNamespace(remote=remote)
@@ -133,6 +136,7 @@ def test_dead_worker_retries_only_requests_without_output():
     second = [{"replica": "r2"}, {"t": [[0, 0, [9], "length", None]]}, {"done": [[0, 2, 0]]}]
     handle, a, b = _run_batch(first, second)
     assert handle.batches == [[a.request_id, b.request_id], [b.request_id]]
+    assert handle.avoided == [None, "r1"]  # the retry names the dead replica
     assert _events(a) == [("t", 0, [7], None, None), ("err", 503,
                                                        "Worker unavailable: ActorDiedError")]
     assert _events(b) == [("t", 0, [9], "length", None), ("done", 2, 0)]
@@ -147,3 +151,29 @@ def test_a_second_death_or_another_error_is_a_503():
     handle, a, b = _run_batch([{"replica": "r1"}, RuntimeError("boom")])
     assert len(handle.batches) == 1  # not a dead replica: no retry
     assert [e[:2] for e in _events(a) + _events(b)] == [("err", 503), ("err", 503)]
+
+
+def test_a_retried_batch_never_goes_back_to_the_dead_replica():
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
+
+    from serve_app.request_router import WorkerRequestRouter
+
+    dep = DeploymentID(name="WorkerHardening", app_name="t")
+    router = WorkerRequestRouter(deployment_id=dep, handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state()
+
+    def replica(uid: str, running: int):
+        return SimpleNamespace(replica_id=ReplicaID(uid, dep), max_ongoing_requests=100,
+                               routing_stats={"num_running": running, "num_waiting": 0,
+                                              "num_free_blocks": 10, "num_total_blocks": 10,
+                                              "ts": 0.0})
+
+    def choose(replicas, **kwargs):
+        pending = SimpleNamespace(args=[], kwargs=kwargs, routing_context=SimpleNamespace())
+        ranks = asyncio.run(router.choose_replicas(replicas, pending))
+        return [r.replica_id.unique_id for rank in ranks for r in rank]
+
+    dead, busy = replica("dead", 0), replica("busy", 9)
+    assert choose([dead, busy], requests=[1]) == ["dead", "busy"]  # least loaded first
+    assert choose([dead, busy], requests=[1], avoid_replica="dead") == ["busy"]
+    assert choose([dead], requests=[1], avoid_replica="dead") == []  # wait for another one
