@@ -149,16 +149,20 @@ class Runner:
         for case in self.mix.bad_cases:
             await self.send(session, self.mix.bad(case))
 
-    async def probe_until_ok(self, session: aiohttp.ClientSession, timeout_s: float) -> int:
-        """Send probes until one completes; the number of failed ones (-1: none succeeded)."""
-        failed, deadline = 0, self.now() + timeout_s
+    async def probe_until_ok(self, session: aiohttp.ClientSession, timeout_s: float,
+                             ) -> tuple[bool, list[str]]:
+        """Send probes until one completes (a 429 just means later): whether one did, and
+        what the failed ones got."""
+        failed: list[str] = []
+        deadline = self.now() + timeout_s
         while self.now() < deadline:
             out = await self.send(session, self.mix.probe(), record=False)
             if out.verdict.category == "completed":
-                return failed
-            failed += 1
+                return True, failed
+            if out.verdict.category != "rejected":
+                failed.append(f"{out.status} {out.verdict.detail} {out.verdict.sample[:80]}")
             await asyncio.sleep(0.5)
-        return -1
+        return False, failed
 
     async def stats(self, session: aiohttp.ClientSession) -> dict:
         async with session.get(self.url + "/v1/stats", headers=self.mix.headers(),

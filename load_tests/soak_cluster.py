@@ -265,7 +265,7 @@ class Faults:
                 if len(stats.get("workers", [])) == target:
                     break
                 await asyncio.sleep(0.5)
-        failed = await self.runner.probe_until_ok(self.session, RECOVERY_TIMEOUT_S)
+        ok, failed = await self.runner.probe_until_ok(self.session, RECOVERY_TIMEOUT_S)
         fault.detail["failed_probes"] = failed
-        if failed >= 0:
+        if ok:
             fault.end = self.runner.now()

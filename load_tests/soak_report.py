@@ -80,6 +80,8 @@ def summarize(runner: Runner, faults: list[Fault], after_main: dict, final: dict
         if (failed or o.hung) and _window(o, faults, ("scale_down", "scale_up")):
             problems["scale_down"].append(f"{o.spec.kind} at {o.start:.1f}s: {o.verdict.detail}")
     for f in faults:
+        if f.name in ("scale_down", "scale_up") and f.detail.get("failed_probes"):
+            problems["scale_down"].append(f"{f.name}: probes failed: {f.detail['failed_probes']}")
         if f.end is None:
             problems["scale_down" if f.name == "scale_up" else f.name].append(
                 f"{f.name} at {f.start:.1f}s did not recover: {f.detail}")
