@@ -47,6 +47,8 @@ MODEL_SHAPES = {
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, initializer_range=0.05),
 }
+# The tokenizer is the default model's (about 1,000 tokens): prompts are token ids, outputs are
+# not detokenized, and the engine, HF and vLLM (0.32) all accept ids up to the model's vocab.
 TOKENIZER_SKIP = {"config.json", "generation_config.json", "model.safetensors"}
 RESULT_TAG = "OFFLINE_THROUGHPUT_RESULT "
 
@@ -67,6 +69,13 @@ class Workload:
 
     def head(self, n: int) -> Workload:
         return Workload(self.prompts[:n], self.output_lens[:n])
+
+    def with_fresh_ids(self, seed: int, vocab: int = VOCAB) -> Workload:
+        """The same lengths with other random token ids: a later round must not find the
+        earlier rounds' prompts in the prefix cache (both engines have one)."""
+        rng = random.Random(seed)
+        return Workload([[rng.randrange(vocab) for _ in p] for p in self.prompts],
+                        self.output_lens)
 
 
 def make_workload(num_prompts: int, seed: int, prompt_range: tuple[int, int],
@@ -259,8 +268,7 @@ def main():  # under __main__: vLLM spawns its engine-core process
     spec = json.load(open(sys.argv[1]))
     llm = LLM(model=spec["model"], dtype="bfloat16", max_model_len=spec["max_model_len"],
               max_num_seqs=spec["max_num_seqs"],
-              max_num_batched_tokens=spec["max_num_batched_tokens"], seed=0,
-              skip_tokenizer_init=spec["skip_tokenizer_init"])
+              max_num_batched_tokens=spec["max_num_batched_tokens"], seed=0)
     generate(llm, spec["warmup"]["prompts"], spec["warmup"]["output_lens"], False)
     print(__TAG__ + json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:  # one line per run: the path of a workload file
@@ -293,7 +301,6 @@ class VLLMBackend:
             "model": str(path), "max_model_len": args.max_model_len,
             "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
-            "skip_tokenizer_init": args.vllm_skip_tokenizer_init,
             "warmup": {"prompts": WARMUP.prompts, "output_lens": WARMUP.output_lens}}))
         self.proc = subprocess.Popen([args.vllm_python, str(script), str(spec)], env=env,
                                      cwd=self.tmp.name, stdin=subprocess.PIPE,
@@ -430,6 +437,8 @@ class StepTimers:
 
     def report(self, elapsed: float) -> None:
         total = {k: sum(t[k] for t in self.totals.values()) for k in self.rows()}
+        if not total["step"]:
+            return
         print(f"\nengine step profile: {sum(self.counts.values())} steps "
               f"({self.counts['decode']} decode-only, {self.counts['prefill']} with prefill), "
               f"{total['step']:.1f} s in step() of {elapsed:.1f} s generate()", file=sys.stderr)
@@ -441,9 +450,10 @@ class StepTimers:
             name = "  " + part[4:] if part.startswith("fwd.") else part
             print(f"  {name:<14}{total[part]:>9.2f}{total[part] / total['step']:>8.1%}"
                   f"{cells[0]:>16}{cells[1]:>17}", file=sys.stderr)
-        outside = elapsed - total["step"]
-        print(f"  outside step() (LLM._run loop, tqdm, request intake): {outside:.2f} s "
-              f"({outside / elapsed:.1%} of generate)", file=sys.stderr)
+        if elapsed > 0:  # zero when a run was interrupted
+            outside = elapsed - total["step"]
+            print(f"  outside step() (LLM._run loop, tqdm, request intake): {outside:.2f} s "
+                  f"({outside / elapsed:.1%} of generate)", file=sys.stderr)
         shares = {p: round(total[p] / total["step"], 4) for p in self.rows()[:-1]}
         print(json.dumps({"engine_step_profile": shares, "steps": self.counts}))
 
@@ -541,7 +551,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="run HF on only the first N requests (it is slow); default: all")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=1,
-                   help="run every backend this many times, alternating; ratios are medians")
+                   help="run every backend this many times, alternating, each round with fresh "
+                   "token ids (same lengths); ratios are medians of per-round ratios")
     p.add_argument("--prompt-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
     p.add_argument("--threads", type=int, default=2, help="CPU threads for every backend")
@@ -554,8 +565,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="batch HF requests of similar length together (default: arrival order)")
     p.add_argument("--vllm-python", default=None,
                    help="a Python with vLLM's CPU build (required for the vllm backend)")
-    p.add_argument("--vllm-skip-tokenizer-init", action="store_true",
-                   help="start vLLM without a tokenizer (token-id prompts need none)")
     p.add_argument("--profile", action="store_true", help="time the engine's step parts")
     p.add_argument("--torch-profile-steps", type=int, default=0,
                    help="with --profile: also list top torch ops over N decode steps")
@@ -575,8 +584,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def run_rounds(backends: list, wl: Workload, args) -> dict[str, list[dict]]:
     runs: dict[str, list[dict]] = {b.name: [] for b in backends}
     for r in range(args.rounds):
+        round_wl = wl.with_fresh_ids(args.seed * 1_000_003 + r) if r else wl
         for b in backends:
-            work = wl.head(args.hf_num_prompts) if b.name == "hf" and args.hf_num_prompts else wl
+            work = round_wl
+            if b.name == "hf" and args.hf_num_prompts:
+                work = round_wl.head(args.hf_num_prompts)
             load = os.getloadavg()[0]
             elapsed, extra = b.generate(work)
             res = result(b.name, args.model_size, work, elapsed, **extra,
@@ -600,7 +612,10 @@ def main(argv=None) -> None:
         runs = run_rounds(backends, wl, args)
     finally:
         for b in reversed(backends):
-            b.close()
+            try:
+                b.close()
+            except Exception as e:  # close the others all the same
+                print(f"closing {b.name}: {e!r}", file=sys.stderr)
     print(json.dumps(summary(runs)), flush=True)
     if args.plot:
         rounds = f", median of {args.rounds} rounds" if args.rounds > 1 else ""
