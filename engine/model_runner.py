@@ -76,6 +76,7 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         load_weights(model, model_path, progress=progress)
+        model.pack_weights()
         return model.eval()
 
     def kv_bytes_per_block(self) -> int:
@@ -119,12 +120,14 @@ class ModelRunner:
 
     def _bind_kv_cache(self, num_blocks: int) -> None:
         attn = self.attn_layers[0]
-        shape = (len(self.attn_layers), num_blocks, 2, self.block_size, attn.num_kv_heads,
+        # K and V of a layer are each one contiguous [num_blocks, block_size, Hk, D] tensor, so a
+        # block is one contiguous run of memory (gathers on the CPU copy whole blocks).
+        shape = (len(self.attn_layers), 2, num_blocks, self.block_size, attn.num_kv_heads,
                  attn.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.attn_layers):
-            layer.k_cache = self.kv_cache[i, :, 0]
-            layer.v_cache = self.kv_cache[i, :, 1]
+            layer.k_cache = self.kv_cache[i, 0]
+            layer.v_cache = self.kv_cache[i, 1]
 
     def _allocate_kv_cache(self) -> int:
         per_block = self.kv_bytes_per_block()

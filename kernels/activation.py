@@ -1,4 +1,8 @@
-"""SiLU-and-multiply, the gated MLP activation: silu(gate) * up, computed in float32."""
+"""SiLU-and-multiply, the gated MLP activation: silu(gate) * up.
+
+The Triton kernel computes in float32 and rounds once. The torch reference works in the input's
+dtype, as Hugging Face's ``act_fn(gate) * up`` does (silu rounded, then the product rounded): on
+the CPU that is two passes over bfloat16 instead of four over float32 copies."""
 
 from __future__ import annotations
 
@@ -11,8 +15,7 @@ from kernels._triton import cdiv, next_power_of_2, tl, triton
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2*I] (gate | up) -> silu(gate) * up, [T, I] in x's dtype."""
     inter = x.shape[-1] // 2
-    xf = x.float()
-    return (F.silu(xf[..., :inter]) * xf[..., inter:]).to(x.dtype)
+    return F.silu(x[..., :inter]).mul_(x[..., inter:])
 
 
 @triton.jit

@@ -1,7 +1,8 @@
 """The kernel entry points the engine's layers call, with a backend switch.
 
-Backends: "auto" (default) runs the Triton kernels on CUDA tensors and the pure-torch references
-on CPU tensors; "triton" forces the Triton kernels (on the CPU only under ``TRITON_INTERPRET=1``);
+Backends: "auto" (default) runs the Triton kernels on CUDA tensors and, on CPU tensors, the C
+paged-attention kernel (``cpu_attention``, when a compiler built it) and the pure-torch references
+for the rest; "triton" forces the Triton kernels (on the CPU only under ``TRITON_INTERPRET=1``);
 "reference" forces the references. Importing this module does not require Triton.
 """
 
@@ -13,6 +14,7 @@ from contextlib import contextmanager
 import torch
 
 from kernels import activation as _act
+from kernels import cpu_attention as _cpu_attn
 from kernels import kv_cache as _kv
 from kernels import paged_attention as _attn
 from kernels import rms_norm as _norm
@@ -115,7 +117,14 @@ def paged_attention(
     max_seq_len: int,
 ) -> torch.Tensor:
     """Causal GQA attention of query [T, Hq, D] over the paged cache -> [T, Hq, D]."""
-    fn = _attn.paged_attention_triton if _use_triton(query) else _attn.paged_attention_ref
+    if _use_triton(query):
+        fn = _attn.paged_attention_triton
+    elif _backend == "auto" and _cpu_attn.supports(query, k_cache, v_cache, block_tables,
+                                                   seq_lens, query_start_loc):
+        return _cpu_attn.paged_attention_cpu(query, k_cache, v_cache, block_tables, seq_lens,
+                                             query_start_loc, scale)
+    else:
+        fn = _attn.paged_attention_ref
     return fn(
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         scale, max_query_len, max_seq_len,

@@ -17,10 +17,13 @@ from kernels.attention_tile import attend_range
 
 def gather_kv_ref(cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """cache [N, block_size, Hk, D], block_tables [B, M] -> [B, num_tokens, Hk, D] (cache dtype)."""
-    block_size = cache.shape[1]
+    batch, block_size = block_tables.shape[0], cache.shape[1]
     num_blocks = min(-(-num_tokens // block_size), block_tables.shape[1])
-    blocks = block_tables[:, :num_blocks].long().clamp_min(0)
-    return cache[blocks].flatten(1, 2)[:, :num_tokens]
+    blocks = block_tables[:, :num_blocks].reshape(-1).long().clamp_min(0)
+    if not cache.is_contiguous():  # index_select copies whole blocks only from a dense cache
+        return cache[blocks.view(batch, num_blocks)].flatten(1, 2)[:, :num_tokens]
+    gathered = cache.index_select(0, blocks)  # [B * nb, block_size, Hk, D]
+    return gathered.view(batch, num_blocks * block_size, *cache.shape[2:])[:, :num_tokens]
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -14,16 +14,18 @@ from kernels._triton import next_power_of_2, tl, triton
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, H], weight [H] -> [T, H] in x's dtype."""
-    xf = x.float()
-    normed = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return (normed.to(x.dtype).float() * weight.float()).to(x.dtype)
+    if x.dtype == torch.float32:
+        normed = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+    else:  # torch's fused kernel accumulates in float32 and rounds the normalised row once
+        normed = torch.nn.functional.rms_norm(x, (x.shape[-1],), eps=eps)
+    return normed * weight.to(x.dtype)
 
 
 def fused_add_rms_norm_ref(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """residual <- x + residual in place; returns (rms_norm(residual) * weight, residual)."""
-    residual.copy_(x.float() + residual.float())
+    residual.add_(x)  # bfloat16/float16 add in float32 and round once, like the float32 sum did
     return rms_norm_ref(residual, weight, eps).to(x.dtype), residual
 
 

@@ -341,18 +341,19 @@ class StepTimers:
     Parts: ``schedule`` (Scheduler.schedule), ``prepare`` (ModelRunner.prepare), ``forward``
     (the model's forward), ``logits`` (compute_logits), ``sample`` (the sampler), and ``other``:
     the rest of ``LLMEngine.step`` (finish_step, appending tokens, stop checks, outputs). The
-    forward is split further by the kernel entry points in ``kernels.ops`` and ``F.linear``
+    forward is split further by the kernel entry points in ``kernels.ops``, ``F.linear``
+    and ``kernels.cpu_gemm.packed_linear``
     (``fwd.rest``: embedding, splits, views, residual copies, module-call overhead). Steps are
     counted apart as decode-only steps and steps that carry a prefill chunk.
     """
 
     PARTS = ("schedule", "prepare", "forward", "logits", "sample")
-    FWD_PARTS = {"linear": ("torch.nn.functional", "linear"),
-                 "attention": ("kernels.ops", "paged_attention"),
-                 "kv_store": ("kernels.ops", "store_kv_cache"),
-                 "norm": ("kernels.ops", "rms_norm", "fused_add_rms_norm"),
-                 "rotary": ("kernels.ops", "rotary_embedding"),
-                 "silu_mul": ("kernels.ops", "silu_and_mul")}
+    FWD_PARTS = {"linear": ("torch.nn.functional.linear", "kernels.cpu_gemm.packed_linear"),
+                 "attention": ("kernels.ops.paged_attention",),
+                 "kv_store": ("kernels.ops.store_kv_cache",),
+                 "norm": ("kernels.ops.rms_norm", "kernels.ops.fused_add_rms_norm"),
+                 "rotary": ("kernels.ops.rotary_embedding",),
+                 "silu_mul": ("kernels.ops.silu_and_mul",)}
 
     def __init__(self, engine):
         import importlib
@@ -369,10 +370,11 @@ class StepTimers:
         self._wrap_method(runner.model, "compute_logits", "logits")
         self._wrap(runner, "sampler", _TimedSampler(runner.sampler, self))
         self._wrap(engine, "step", self._step(engine.step))
-        for part, (module, *names) in self.FWD_PARTS.items():
-            mod = importlib.import_module(module)
-            for name in names:
-                self._wrap_method(mod, name, "fwd." + part, inner=True)
+        for part, targets in self.FWD_PARTS.items():
+            for target in targets:
+                module, name = target.rsplit(".", 1)
+                self._wrap_method(importlib.import_module(module), name, "fwd." + part,
+                                  inner=True)
 
     def _wrap(self, obj, name: str, new) -> None:
         self._saved.append((obj, name, obj.__dict__.get(name, _MISSING)))

@@ -8,6 +8,7 @@ from torch import nn
 
 from engine.distributed import all_reduce, divide, gather_last_dim, tp_rank, tp_size
 from engine.loader import Loaded, as_tensor, shard
+from kernels import cpu_gemm
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -39,5 +40,18 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits for the rows of ``hidden`` given; rank 0 receives the full vocabulary."""
 
+    def __init__(self, vocab_size: int, hidden: int):
+        super().__init__(vocab_size, hidden)
+        self.packed: torch.Tensor | None = None
+
+    def pack_weights(self, tied: bool) -> None:
+        """After loading: prepack for oneDNN on the CPU; a tied weight stays for the embedding."""
+        if self.packed is None and cpu_gemm.packing_supported(self.weight):
+            self.packed = cpu_gemm.pack(self.weight)
+            if not tied:
+                self.weight.data = self.weight.data.new_empty(0)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        if self.packed is not None:
+            return gather_last_dim(cpu_gemm.packed_linear(hidden, self.packed, None))
         return gather_last_dim(F.linear(hidden, self.weight))

@@ -16,6 +16,7 @@ from torch import nn
 
 from engine.distributed import all_reduce, divide, tp_rank, tp_size
 from engine.loader import Loaded, as_tensor, shard
+from kernels import cpu_gemm
 
 
 def _copy_checked(param: torch.Tensor, part: Loaded, name: str) -> None:
@@ -36,6 +37,18 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.packed: torch.Tensor | None = None  # the weight prepacked for oneDNN (CPU)
+
+    def pack_weights(self) -> None:
+        """After loading: on CPUs that support it, keep the weight in oneDNN's layout only."""
+        if self.packed is None and cpu_gemm.packing_supported(self.weight):
+            self.packed = cpu_gemm.pack(self.weight)
+            self.weight.data = self.weight.data.new_empty(0)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed is not None:
+            return cpu_gemm.packed_linear(x, self.packed, bias)
+        return F.linear(x, self.weight, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id=None) -> None:
         dim = self.shard_dim
@@ -44,7 +57,7 @@ class LinearBase(nn.Module):
         _copy_checked(param, loaded, "weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -102,7 +115,7 @@ class RowParallelLinear(LinearBase):
         super().__init__(divide(in_features, tp_size(), "input size"), out_features, bias, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.matmul(x, None)
         if tp_size() > 1:
             all_reduce(y)
         if self.bias is not None:

@@ -10,7 +10,8 @@ from torch import nn
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from engine.layers.linear import (LinearBase, MergedColumnParallelLinear, QKVParallelLinear,
+                                  RowParallelLinear)
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.hf_config import HFConfig
@@ -100,6 +101,13 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def pack_weights(self) -> None:
+        """After loading: let every matmul layer prepack its weight for the device."""
+        for m in self.modules():
+            if isinstance(m, LinearBase):
+                m.pack_weights()
+        self.lm_head.pack_weights(tied=self.cfg.tie_word_embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
