@@ -1,8 +1,8 @@
 """The kernel entry points the engine's layers call, with a backend switch.
 
 Backends: "auto" (default) runs the Triton kernels on CUDA tensors and, on CPU tensors, the C
-paged-attention kernel (``cpu_attention``, when a compiler built it) and the pure-torch references
-for the rest; "triton" forces the Triton kernels (on the CPU only under ``TRITON_INTERPRET=1``);
+kernels of ``cpu_kernels`` (when a compiler built them and they take the tensors given), else the
+pure-torch references; "triton" forces the Triton kernels (on the CPU only under ``TRITON_INTERPRET=1``);
 "reference" forces the references. Importing this module does not require Triton.
 """
 
@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import torch
 
 from kernels import activation as _act
-from kernels import cpu_attention as _cpu_attn
+from kernels import cpu_kernels as _cpu
 from kernels import kv_cache as _kv
 from kernels import paged_attention as _attn
 from kernels import rms_norm as _norm
@@ -48,6 +48,10 @@ def backend(name: str) -> Iterator[None]:
         set_backend(previous)
 
 
+def _use_cpu(t: torch.Tensor) -> bool:
+    return _backend == "auto" and t.device.type == "cpu"
+
+
 def _use_triton(t: torch.Tensor) -> bool:
     if _backend == "triton":
         return True
@@ -58,6 +62,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, H], weight [H] -> [T, H] in x's dtype."""
     if _use_triton(x):
         return _norm.rms_norm_triton(x, weight, eps)
+    if _use_cpu(x) and _cpu.supports_norm(x, weight):
+        return _cpu.rms_norm(x, weight, eps)
     return _norm.rms_norm_ref(x, weight, eps)
 
 
@@ -67,6 +73,8 @@ def fused_add_rms_norm(
     """residual <- x + residual (in place); returns (rms_norm(residual) * weight, residual)."""
     if _use_triton(x):
         return _norm.fused_add_rms_norm_triton(x, residual, weight, eps)
+    if _use_cpu(x) and _cpu.supports_norm(x, weight, residual):
+        return _cpu.rms_norm(x, weight, eps, residual), residual
     return _norm.fused_add_rms_norm_ref(x, residual, weight, eps)
 
 
@@ -74,6 +82,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2*I] -> silu(x[:, :I]) * x[:, I:], [T, I]."""
     if _use_triton(x):
         return _act.silu_and_mul_triton(x)
+    if _use_cpu(x) and _cpu.supports_silu_and_mul(x):
+        return _cpu.silu_and_mul(x)
     return _act.silu_and_mul_ref(x)
 
 
@@ -87,6 +97,8 @@ def rotary_embedding(
     """Rotate query [T, Hq*D] and key [T, Hk*D] in place by cos_sin_cache[positions]."""
     if _use_triton(query):
         _rope.rotary_embedding_triton(positions, query, key, cos_sin_cache, head_size)
+    elif _use_cpu(query) and _cpu.supports_rotary(positions, query, key, cos_sin_cache, head_size):
+        _cpu.rotary_embedding(positions, query, key, cos_sin_cache, head_size)
     else:
         _rope.rotary_embedding_ref(positions, query, key, cos_sin_cache, head_size)
 
@@ -101,6 +113,8 @@ def store_kv_cache(
     """Write key/value [T, Hk, D] into the paged caches at slot_mapping [T]; slot -1 is skipped."""
     if _use_triton(key):
         _kv.store_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping)
+    elif _use_cpu(key) and _cpu.supports_store(key, value, k_cache, v_cache, slot_mapping):
+        _cpu.store_kv_cache(key, value, k_cache, v_cache, slot_mapping)
     else:
         _kv.store_kv_cache_ref(key, value, k_cache, v_cache, slot_mapping)
 
@@ -119,10 +133,10 @@ def paged_attention(
     """Causal GQA attention of query [T, Hq, D] over the paged cache -> [T, Hq, D]."""
     if _use_triton(query):
         fn = _attn.paged_attention_triton
-    elif _backend == "auto" and _cpu_attn.supports(query, k_cache, v_cache, block_tables,
-                                                   seq_lens, query_start_loc):
-        return _cpu_attn.paged_attention_cpu(query, k_cache, v_cache, block_tables, seq_lens,
-                                             query_start_loc, scale)
+    elif _use_cpu(query) and _cpu.supports_attention(query, k_cache, v_cache, block_tables,
+                                                     seq_lens, query_start_loc):
+        return _cpu.paged_attention(query, k_cache, v_cache, block_tables, seq_lens,
+                                    query_start_loc, scale)
     else:
         fn = _attn.paged_attention_ref
     return fn(

@@ -32,8 +32,8 @@ class LlamaAttention(nn.Module):
                               self.qkv_proj.num_kv_heads, cfg.head_dim**-0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # Views into the qkv product, rows strided: the kernels take row strides.
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = q.contiguous(), k.contiguous()
         self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 

@@ -18,79 +18,10 @@
  * Element types: 0 = float32, 1 = bfloat16 (query, caches and output share one type).
  * Built and loaded by kernels/cpu_attention.py.
  */
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "cpu_common.h"
 
 #define ROWS 8    /* query rows per tile (prefill chunks) */
 #define CHUNK 32  /* keys per softmax update */
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
-
-static inline void load_row(float *restrict dst, const void *p, int n, int dtype) {
-#ifdef __AVX512F__
-    if (dtype == 1 && n % 16 == 0) {
-        const uint16_t *s = (const uint16_t *)p;
-        for (int d = 0; d < n; d += 16) {
-            const __m256i h = _mm256_loadu_si256((const __m256i *)(s + d));
-            _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-        }
-        return;
-    }
-#endif
-    if (dtype == 1) {
-        const uint16_t *s = (const uint16_t *)p;
-        for (int d = 0; d < n; d++) dst[d] = bf16_to_f32(s[d]);
-    } else {
-        memcpy(dst, p, (size_t)n * sizeof(float));
-    }
-}
-
-static inline void store_row(void *p, const float *restrict src, int n, int dtype) {
-    if (dtype == 1) {
-        uint16_t *o = (uint16_t *)p;
-        for (int d = 0; d < n; d++) o[d] = f32_to_bf16(src[d]);
-    } else {
-        memcpy(p, src, (size_t)n * sizeof(float));
-    }
-}
-
-#ifdef __AVX512F__
-/* exp(x) for 16 lanes, x <= 0 or -inf: 2^(x log2 e) = 2^k 2^f with f in [-0.5, 0.5], 2^f by a
- * degree-6 polynomial (relative error about 2e-7), scaled by scalef; -inf lanes give 0. */
-static inline __m512 exp16(__m512 x) {
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, k);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    const __mmask16 finite = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-    return _mm512_maskz_scalef_ps(finite, p, k);
-}
-#endif
 
 /* q . k over d < n (both float, q pre-scaled). */
 static inline float dot_f32(const float *restrict q, const float *restrict k, int n) {

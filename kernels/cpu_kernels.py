@@ -1,0 +1,247 @@
+"""The engine's CPU kernels in C (``csrc/``): build, load, call.
+
+``paged_attention_cpu.c`` is paged attention over the block table (no gather, no padding);
+``elementwise_cpu.c`` holds RMSNorm (+ fused residual add), SiLU-and-multiply, rotary embedding
+and the KV-cache store, each one pass over memory. AVX-512 loops where the CPU has them, plain C
+(auto-vectorised) elsewhere; float32 and bfloat16.
+
+The sources are compiled on first use with the system C compiler (``$CC``, else ``cc``) for this
+machine's CPU (``-O3 -march=native -fopenmp``) into ``<cache dir>/kernels/<hash>/``, keyed by the
+sources, the flags and the CPU's feature flags; concurrent builders (several Ray workers) each
+write a temporary file and rename it into place. The library is loaded with ctypes after torch,
+so its OpenMP regions run on the libgomp torch already loaded (one thread pool), and ctypes
+releases the GIL during a call.
+
+Without a compiler, or with ``PAGEDSERVE_CPU_KERNELS=0``, ``available()`` is False and
+``kernels.ops`` uses the pure-torch references instead (one warning in the log).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "paged_attention_cpu.c", CSRC / "elementwise_cpu.c"]
+HEADERS = [CSRC / "cpu_common.h"]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=fast",
+         "-fno-math-errno", "-fno-trapping-math"]
+MAX_HEAD = 256  # the attention kernel keeps one key row of up to 16 x 16 floats in registers
+MAX_HIDDEN = 65536
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+_c_int, _c_i64, _c_f, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_SIGNATURES = {
+    "paged_attention_cpu": [_ptr] * 7 + [_c_i64] + [_c_int] * 6 + [_c_i64, _c_i64, _c_f,
+                                                                    _c_int, _c_int],
+    "rms_norm_cpu": [_ptr] * 4 + [_c_i64, _c_int, _c_i64, _c_i64, _c_i64, _c_f, _c_int, _c_int],
+    "silu_and_mul_cpu": [_ptr, _ptr, _c_i64, _c_int, _c_i64, _c_i64, _c_int, _c_int],
+    "rotary_cpu": [_ptr] * 4 + [_c_i64, _c_int, _c_int, _c_int, _c_i64, _c_i64, _c_i64, _c_int,
+                                _c_int],
+    "store_kv_cpu": [_ptr] * 5 + [_c_i64, _c_int, _c_int] + [_c_i64] * 4 + [_c_int],
+}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def library_path() -> Path:
+    """Where the built library for these sources, compiler flags and CPU lives."""
+    from engine import envs  # here: importing engine at module level would be circular
+
+    digest = hashlib.sha256(" ".join(FLAGS).encode() + _cpu_flags().encode())
+    for path in SOURCES + HEADERS:
+        digest.update(path.read_bytes())
+    return envs.cache_dir() / "kernels" / digest.hexdigest()[:16] / "libpagedserve_cpu.so"
+
+
+def build() -> Path:
+    """Compile the library if it is not built yet; returns its path. Raises RuntimeError."""
+    target = library_path()
+    if target.exists():
+        return target
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        raise RuntimeError(f"no C compiler {cc!r} on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"],
+                              capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _tried
+    if _tried:
+        return _lib
+    with _lock:
+        if _tried:
+            return _lib
+        try:
+            if os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") != "0":
+                lib = ctypes.CDLL(str(build()))
+                for name, argtypes in _SIGNATURES.items():
+                    fn = getattr(lib, name)
+                    fn.restype, fn.argtypes = ctypes.c_int, argtypes
+                _lib = lib
+        except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+            logger.warning("CPU kernels unavailable, using the torch references: %s", e)
+        _tried = True
+        return _lib
+
+
+def _library() -> ctypes.CDLL:
+    lib = _lib or _load()
+    if lib is None:
+        raise RuntimeError("CPU kernels are not available (see the log); check available() first")
+    return lib
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def _check(rc: int, name: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"{name} failed with code {rc}")
+
+
+def _rows_ok(t: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+    """A CPU [T, H] tensor of a supported type, contiguous along its last dim."""
+    return (t.device.type == "cpu" and t.dtype in _DTYPES and t.dim() == 2
+            and (dtype is None or t.dtype == dtype) and (t.stride(1) == 1 or t.shape[1] == 1))
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+# ----------------------------------------------------------------------------- attention
+def supports_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc) -> bool:
+    """Whether the C kernel takes these tensors as they are (else use the reference)."""
+    num_q_heads, head_size = query.shape[1], query.shape[2]
+    return (
+        query.device.type == "cpu"
+        and query.dtype in _DTYPES and k_cache.dtype == query.dtype
+        and v_cache.dtype == query.dtype
+        and query.stride(2) == 1 and query.stride(1) == head_size
+        and k_cache.is_contiguous() and v_cache.is_contiguous()
+        and head_size <= MAX_HEAD and num_q_heads % k_cache.shape[2] == 0
+        and all(t.dtype == torch.int32 and t.is_contiguous()
+                for t in (block_tables, seq_lens, query_start_loc))
+        and available()
+    )
+
+
+def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                    scale: float) -> torch.Tensor:
+    """query [T, Hq, D] -> [T, Hq, D]: the contract of ``kernels.ops.paged_attention``."""
+    num_tokens, num_q_heads, head_size = query.shape
+    out = torch.empty(query.shape, dtype=query.dtype)
+    _check(_library().paged_attention_cpu(
+        out.data_ptr(), query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        block_tables.data_ptr(), seq_lens.data_ptr(), query_start_loc.data_ptr(),
+        num_tokens, block_tables.shape[0], num_q_heads, k_cache.shape[2], head_size,
+        k_cache.shape[1], block_tables.shape[1], query.stride(0), out.stride(0),
+        scale, _DTYPES[query.dtype], _threads()), "paged_attention_cpu")
+    return out
+
+
+# ----------------------------------------------------------------------------- elementwise
+def supports_norm(x: torch.Tensor, weight: torch.Tensor,
+                  residual: torch.Tensor | None = None) -> bool:
+    return (_rows_ok(x) and weight.dtype == x.dtype and weight.is_contiguous()
+            and weight.shape == (x.shape[1],) and x.shape[1] <= MAX_HIDDEN
+            and (residual is None or (_rows_ok(residual, x.dtype)
+                                      and residual.shape == x.shape))
+            and available())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """rms_norm(x) * weight; with ``residual``: residual <- x + residual first (in place) and
+    the new residual is normalised."""
+    out = torch.empty(x.shape, dtype=x.dtype)
+    _check(_library().rms_norm_cpu(
+        out.data_ptr(), x.data_ptr(), None if residual is None else residual.data_ptr(),
+        weight.data_ptr(), x.shape[0], x.shape[1], x.stride(0),
+        0 if residual is None else residual.stride(0), out.stride(0), eps, _DTYPES[x.dtype],
+        _threads()), "rms_norm_cpu")
+    return out
+
+
+def supports_silu_and_mul(x: torch.Tensor) -> bool:
+    return _rows_ok(x) and x.shape[1] % 2 == 0 and available()
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    inter = x.shape[1] // 2
+    out = torch.empty((x.shape[0], inter), dtype=x.dtype)
+    _check(_library().silu_and_mul_cpu(out.data_ptr(), x.data_ptr(), x.shape[0], inter, x.stride(0),
+                                 out.stride(0), _DTYPES[x.dtype], _threads()),
+           "silu_and_mul_cpu")
+    return out
+
+
+def supports_rotary(positions, query, key, cos_sin_cache, head_size: int) -> bool:
+    return (_rows_ok(query) and _rows_ok(key, query.dtype) and head_size % 2 == 0
+            and query.shape[1] % head_size == 0 and key.shape[1] % head_size == 0
+            and positions.dtype == torch.int64 and positions.is_contiguous()
+            and positions.device.type == "cpu"
+            and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.stride(1) == 1
+            and cos_sin_cache.shape[1] == head_size and available())
+
+
+def rotary_embedding(positions, query, key, cos_sin_cache, head_size: int) -> None:
+    _check(_library().rotary_cpu(
+        positions.data_ptr(), query.data_ptr(), key.data_ptr(), cos_sin_cache.data_ptr(),
+        query.shape[0], query.shape[1] // head_size, key.shape[1] // head_size, head_size,
+        query.stride(0), key.stride(0), cos_sin_cache.stride(0), _DTYPES[query.dtype],
+        _threads()), "rotary_cpu")
+
+
+def supports_store(key, value, k_cache, v_cache, slot_mapping) -> bool:
+    return (key.device.type == "cpu" and key.dim() == 3 and value.shape == key.shape
+            and key.dtype == value.dtype == k_cache.dtype == v_cache.dtype
+            and key.stride(2) == 1 and value.stride(2) == 1
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and k_cache.shape == v_cache.shape and k_cache.shape[2:] == key.shape[1:]
+            and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+            and available())
+
+
+def store_kv_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
+    _check(_library().store_kv_cpu(
+        key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        slot_mapping.data_ptr(), key.shape[0], key.shape[1], key.shape[2], key.stride(0),
+        key.stride(1), value.stride(0), value.stride(1), key.element_size()), "store_kv_cpu")

@@ -1,0 +1,175 @@
+/* The CPU versions of the engine's small fused kernels, one pass over memory each:
+ * RMSNorm (with the residual add fused in), SiLU-and-multiply, rotary embedding in place, and
+ * the KV-cache store. Numerics follow the torch references in kernels/*.py (float32 inside;
+ * for bfloat16, values are rounded where the references round). Rows are spread over OpenMP
+ * threads (torch's pool: see paged_attention_cpu.c). Element types: 0 = float32, 1 = bfloat16.
+ */
+#include "cpu_common.h"
+
+#define MAX_HIDDEN 65536
+
+/* out = rms_norm(x) * weight, x [T, H] rows strided by sx. With residual (rows strided by sr):
+ * residual <- x + residual first (rounded to the element type), and that stored value is
+ * normalised. For bfloat16 the normalised row is rounded before the weight multiplies it. */
+int rms_norm_cpu(void *out, const void *x, void *residual, const void *weight, int64_t T, int H,
+                 int64_t sx, int64_t sr, int64_t so, float eps, int dtype, int num_threads) {
+    if (H > MAX_HIDDEN) return -1;
+    const size_t es = dtype == 1 ? 2 : 4;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *buf = malloc(sizeof(float) * (size_t)H);
+        float *w = malloc(sizeof(float) * (size_t)H);
+        if (buf && w) {
+            for (int d = 0; d < H; d++)
+                w[d] = dtype == 1 ? bf16_to_f32(((const uint16_t *)weight)[d]) : ((const float *)weight)[d];
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < T; t++) {
+                const char *xr = (const char *)x + (size_t)t * sx * es;
+                load_row(buf, xr, H, dtype);
+                if (residual) {
+                    char *rr = (char *)residual + (size_t)t * sr * es;
+                    int d = 0;
+#ifdef __AVX512F__
+                    for (; d + 16 <= H; d += 16) {
+                        const __m512 v = _mm512_add_ps(_mm512_loadu_ps(buf + d), load16(rr + d * es, dtype));
+                        store16(rr + d * es, v, dtype);
+                        _mm512_storeu_ps(buf + d, round16(v, dtype));
+                    }
+#endif
+                    for (; d < H; d++) {
+                        const float r = dtype == 1 ? bf16_to_f32(((uint16_t *)rr)[d]) : ((float *)rr)[d];
+                        const float v = round_to(buf[d] + r, dtype);
+                        if (dtype == 1) ((uint16_t *)rr)[d] = f32_to_bf16(v);
+                        else ((float *)rr)[d] = v;
+                        buf[d] = v;
+                    }
+                }
+                float ss = 0.0f;
+                int d0 = 0;
+#ifdef __AVX512F__
+                __m512 acc = _mm512_setzero_ps();
+                for (; d0 + 16 <= H; d0 += 16) {
+                    const __m512 v = _mm512_loadu_ps(buf + d0);
+                    acc = _mm512_fmadd_ps(v, v, acc);
+                }
+                ss = _mm512_reduce_add_ps(acc);
+#endif
+                for (; d0 < H; d0++) ss += buf[d0] * buf[d0];
+                const float inv = 1.0f / sqrtf(ss / (float)H + eps);
+                char *orow = (char *)out + (size_t)t * so * es;
+                int d = 0;
+#ifdef __AVX512F__
+                const __m512 vinv = _mm512_set1_ps(inv);
+                for (; d + 16 <= H; d += 16) {
+                    const __m512 n = round16(_mm512_mul_ps(_mm512_loadu_ps(buf + d), vinv), dtype);
+                    store16(orow + d * es, _mm512_mul_ps(n, _mm512_loadu_ps(w + d)), dtype);
+                }
+#endif
+                const int tail = d;
+                for (; d < H; d++) buf[d] = round_to(buf[d] * inv, dtype) * w[d];
+                store_row(orow + (size_t)tail * es, buf + tail, H - tail, dtype);
+            }
+        }
+        free(buf);
+        free(w);
+    }
+    return 0;
+}
+
+/* out [T, I] = silu(gate) * up for x [T, 2I] = (gate | up), rows strided by sx and so. For
+ * bfloat16, silu(gate) is rounded before the product (as torch's two ops round). */
+int silu_and_mul_cpu(void *out, const void *x, int64_t T, int I, int64_t sx, int64_t so,
+                     int dtype, int num_threads) {
+    const size_t es = dtype == 1 ? 2 : 4;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t t = 0; t < T; t++) {
+        const char *g = (const char *)x + (size_t)t * sx * es;
+        const char *u = g + (size_t)I * es;
+        char *o = (char *)out + (size_t)t * so * es;
+        int d = 0;
+#ifdef __AVX512F__
+        const __m512 one = _mm512_set1_ps(1.0f);
+        for (; d + 16 <= I; d += 16) {
+            const __m512 gv = load16(g + d * es, dtype);
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+            const __m512 s = round16(_mm512_div_ps(gv, _mm512_add_ps(one, e)), dtype);
+            store16(o + d * es, _mm512_mul_ps(s, load16(u + d * es, dtype)), dtype);
+        }
+#endif
+        for (; d < I; d++) {
+            const float gv = dtype == 1 ? bf16_to_f32(((const uint16_t *)g)[d]) : ((const float *)g)[d];
+            const float uv = dtype == 1 ? bf16_to_f32(((const uint16_t *)u)[d]) : ((const float *)u)[d];
+            const float r = round_to(gv / (1.0f + expf(-gv)), dtype) * uv;
+            if (dtype == 1) ((uint16_t *)o)[d] = f32_to_bf16(r);
+            else ((float *)o)[d] = r;
+        }
+    }
+    return 0;
+}
+
+/* Rotate `heads` heads of D at row p in place: x1 = [:D/2], x2 = [D/2:];
+ * x1 <- x1 cos - x2 sin, x2 <- x2 cos + x1 sin. */
+static void rotate_heads(char *p, int heads, int D, const float *cos, const float *sin, int dtype) {
+    const size_t es = dtype == 1 ? 2 : 4;
+    const int half = D / 2;
+    for (int h = 0; h < heads; h++) {
+        char *x1 = p + (size_t)h * D * es, *x2 = x1 + (size_t)half * es;
+        int d = 0;
+#ifdef __AVX512F__
+        for (; d + 16 <= half; d += 16) {
+            const __m512 a = load16(x1 + d * es, dtype), b = load16(x2 + d * es, dtype);
+            const __m512 c = _mm512_loadu_ps(cos + d), s = _mm512_loadu_ps(sin + d);
+            store16(x1 + d * es, _mm512_sub_ps(_mm512_mul_ps(a, c), _mm512_mul_ps(b, s)), dtype);
+            store16(x2 + d * es, _mm512_add_ps(_mm512_mul_ps(b, c), _mm512_mul_ps(a, s)), dtype);
+        }
+#endif
+        for (; d < half; d++) {
+            float a, b;
+            if (dtype == 1) {
+                a = bf16_to_f32(((uint16_t *)x1)[d]);
+                b = bf16_to_f32(((uint16_t *)x2)[d]);
+                ((uint16_t *)x1)[d] = f32_to_bf16(a * cos[d] - b * sin[d]);
+                ((uint16_t *)x2)[d] = f32_to_bf16(b * cos[d] + a * sin[d]);
+            } else {
+                a = ((float *)x1)[d];
+                b = ((float *)x2)[d];
+                ((float *)x1)[d] = a * cos[d] - b * sin[d];
+                ((float *)x2)[d] = b * cos[d] + a * sin[d];
+            }
+        }
+    }
+}
+
+/* q [T, Hq*D] and k [T, Hk*D] (rows strided by sq, sk) rotated in place by
+ * cos_sin [max_pos, D] float32 (cos | sin) at positions [T] int64. */
+int rotary_cpu(const int64_t *positions, void *q, void *k, const float *cos_sin, int64_t T,
+               int Hq, int Hk, int D, int64_t sq, int64_t sk, int64_t scache, int dtype,
+               int num_threads) {
+    const size_t es = dtype == 1 ? 2 : 4;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t t = 0; t < T; t++) {
+        const float *cs = cos_sin + positions[t] * scache;
+        rotate_heads((char *)q + (size_t)t * sq * es, Hq, D, cs, cs + D / 2, dtype);
+        rotate_heads((char *)k + (size_t)t * sk * es, Hk, D, cs, cs + D / 2, dtype);
+    }
+    return 0;
+}
+
+/* key/value [T, Hk, D] (strides skt/skh, svt/svh, elements) into the contiguous caches
+ * [num_blocks, block_size, Hk, D] at slot_mapping [T] (int64; -1 = skip). */
+int store_kv_cpu(const void *key, const void *value, void *k_cache, void *v_cache,
+                 const int64_t *slots, int64_t T, int Hk, int D, int64_t skt, int64_t skh,
+                 int64_t svt, int64_t svh, int esize) {
+    const size_t row = (size_t)D * esize;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        char *kd = (char *)k_cache + (size_t)slot * Hk * row;
+        char *vd = (char *)v_cache + (size_t)slot * Hk * row;
+        for (int h = 0; h < Hk; h++) {
+            memcpy(kd + h * row, (const char *)key + ((size_t)t * skt + (size_t)h * skh) * esize, row);
+            memcpy(vd + h * row, (const char *)value + ((size_t)t * svt + (size_t)h * svh) * esize, row);
+        }
+    }
+    return 0;
+}
