@@ -10,7 +10,9 @@
  * A work item is a tile of up to ROWS query rows of one sequence and a range of its kv heads.
  * It walks the sequence's blocks straight from the block table (no gather, no padding to the
  * longest sequence), a chunk of at most CHUNK keys at a time; every key and value row it loads
- * serves all the tile's query heads of that kv head. The next block is prefetched while one is
+ * serves all the tile's query heads of that kv head. Decode tiles (one row) take dot products
+ * along D; prefill tiles (QVEC_MIN or more query vectors per kv head) run lane-wise across their
+ * query vectors (attend_tile_qvec), which needs no horizontal sums. The next block is prefetched while one is
  * processed. Scores and the running softmax are float32 (online softmax, rescaled once per
  * chunk). Items are spread over OpenMP threads; the library is loaded after torch and uses the
  * libgomp torch has loaded, so both share one thread pool.
@@ -22,6 +24,7 @@
 
 #define ROWS 8    /* query rows per tile (prefill chunks) */
 #define CHUNK 32  /* keys per softmax update */
+#define QVEC_MIN 16 /* query vectors per kv head from which a tile goes lane-wise (prefill) */
 
 /* q . k over d < n (both float, q pre-scaled). */
 static inline float dot_f32(const float *restrict q, const float *restrict k, int n) {
@@ -196,6 +199,345 @@ static void attend_item(const Item *it, Scratch *w, void *out, const void *query
     }
 }
 
+#ifdef __AVX512F__
+/* 16 vectors -> one vector whose lane i is the sum of v[i]'s 16 lanes (45 shuffles and adds
+ * for 16 sums, against about 8 operations each for separate horizontal sums). */
+static inline __m512 reduce16(const __m512 *v) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* Where accumulator i of the bfloat16 value path belongs: its vectors pair keys t, t+1 with
+ * 16-bit unpacks, which interleave within 128-bit lanes. Vector j = 2 c2 + e (e = 0: unpacklo,
+ * 1: unpackhi) of the 32 elements of half c2, lane k: d = 32 c2 + 8 (k / 4) + 4 e + k % 4. */
+static inline int permuted_d(int i) {
+    const int j = i / 16, k = i % 16;
+    return 32 * (j / 2) + 8 * (k / 4) + 4 * (j % 2) + k % 4;
+}
+
+/* The decode path (one query row) for D = 16 * DC: keys in groups of 16, the 16 dot products of
+ * a head reduced together (reduce16), the softmax on that vector, and values accumulated with
+ * HG heads' accumulators held in registers. On CPUs with AVX512-BF16, bfloat16 scores come from
+ * dot-product instructions on the cached keys as they are. */
+static inline __attribute__((always_inline)) void attend_row_dc(
+    const Item *it, Scratch *w, void *out, const void *query, const char *k_cache,
+    const char *v_cache, const int32_t *table, int64_t pos, int num_q_heads, int num_kv_heads,
+    int block_size, int max_blocks, int64_t q_stride_t, int64_t out_stride_t, float scale,
+    int dtype, const int DC) {
+    const int D = 16 * DC, group = num_q_heads / num_kv_heads;
+    const int HG = 16 / DC; /* heads whose accumulators fit in registers at once */
+    const size_t es = dtype == 1 ? 2 : 4;
+    const int64_t token_stride = (int64_t)num_kv_heads * D;
+    const int64_t block_stride = (int64_t)block_size * token_stride;
+    const int64_t kv_len = pos + 1;
+    const int h0 = it->kvh0 * group, h1 = it->kvh1 * group;
+    const char *q_row = (const char *)query + (size_t)it->row0 * q_stride_t * es;
+    for (int h = h0; h < h1; h++) {
+        float *q = w->q + (size_t)h * D;
+        load_row(q, q_row + (size_t)h * D * es, D, dtype);
+        for (int d = 0; d < D; d++) q[d] *= scale;
+        memset(w->acc + (size_t)h * D, 0, sizeof(float) * D);
+        w->m[h] = -INFINITY;
+        w->l[h] = 0.0f;
+    }
+    const int64_t nblocks = (kv_len + block_size - 1) / block_size;
+    for (int64_t j = 0; j < nblocks && j < max_blocks; j++) {
+        const int64_t blk = table[j];
+        if (blk < 0) continue;
+        if (j + 1 < nblocks && j + 1 < max_blocks && table[j + 1] >= 0) {
+            const size_t bytes = (size_t)block_stride * es;
+            prefetch_block(k_cache + (size_t)table[j + 1] * bytes, bytes);
+            prefetch_block(v_cache + (size_t)table[j + 1] * bytes, bytes);
+        }
+        for (int c0 = 0; c0 < block_size; c0 += 16) {
+            const int64_t key0 = j * block_size + c0;
+            if (key0 >= kv_len) break;
+            int n = block_size - c0 < 16 ? block_size - c0 : 16;
+            if (key0 + n > kv_len) n = (int)(kv_len - key0);
+            const __mmask16 live = (__mmask16)(n == 16 ? 0xffff : (1u << n) - 1);
+            for (int kvh = it->kvh0; kvh < it->kvh1; kvh++) {
+                const size_t base = ((size_t)blk * block_stride + (size_t)c0 * token_stride + (size_t)kvh * D) * es;
+                const char *kb = k_cache + base, *vb = v_cache + base;
+                int direct = 0;
+#ifdef __AVX512BF16__
+                direct = dtype == 1;
+#endif
+                if (!direct)
+                    for (int t = 0; t < n; t++) load_row(w->kbuf + (size_t)t * D, kb + (size_t)t * token_stride * es, D, dtype);
+                for (int h = kvh * group; h < (kvh + 1) * group; h++) {
+                    __m512 dv[16];
+                    if (direct) {
+#ifdef __AVX512BF16__
+                        __m512bh qb[8];
+                        const uint16_t *qr = (const uint16_t *)(q_row + (size_t)h * D * es);
+                        for (int c = 0; c < DC / 2; c++) qb[c] = (__m512bh)_mm512_loadu_si512(qr + 32 * c);
+                        for (int t = 0; t < 16; t++) {
+                            dv[t] = _mm512_setzero_ps();
+                            if (t >= n) continue;
+                            const uint16_t *kr = (const uint16_t *)(kb + (size_t)t * token_stride * es);
+                            for (int c = 0; c < DC / 2; c++)
+                                dv[t] = _mm512_dpbf16_ps(dv[t], qb[c], (__m512bh)_mm512_loadu_si512(kr + 32 * c));
+                        }
+#endif
+                    } else {
+                        __m512 qv[16];
+                        for (int c = 0; c < DC; c++) qv[c] = _mm512_loadu_ps(w->q + (size_t)h * D + 16 * c);
+                        for (int t = 0; t < 16; t++) {
+                            dv[t] = _mm512_setzero_ps();
+                            if (t >= n) continue;
+                            const float *k = w->kbuf + (size_t)t * D;
+                            for (int c = 0; c < DC; c++) dv[t] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), dv[t]);
+                        }
+                    }
+                    __m512 sv = reduce16(dv);
+                    if (direct) sv = _mm512_mul_ps(sv, _mm512_set1_ps(scale));
+                    sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, sv);
+                    /* The running max moves only when a score passes it by more than 8
+                     * (so exp stays below e^8 = 2981 in float32): most groups then need no
+                     * exp of the old max and no rescale of the accumulators. */
+                    const float mold = w->m[h];
+                    const float cmax = _mm512_reduce_max_ps(sv);
+                    float bmax = mold, corr = 1.0f;
+                    if (mold == -INFINITY) {
+                        bmax = cmax;
+                        corr = 0.0f;
+                    } else if (cmax > mold + 8.0f) {
+                        bmax = cmax;
+                        corr = expf(mold - bmax);
+                    }
+                    const __m512 pv = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(bmax))));
+                    w->l[h] = w->l[h] * corr + _mm512_reduce_add_ps(pv);
+                    w->m[h] = bmax;
+                    _mm512_storeu_ps(w->s + (size_t)h * 16, pv);
+                    if (corr != 1.0f) {
+                        float *a = w->acc + (size_t)h * D;
+                        for (int c = 0; c < DC; c++)
+                            _mm512_storeu_ps(a + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(a + 16 * c), _mm512_set1_ps(corr)));
+                    }
+                }
+#ifdef __AVX512BF16__
+                if (direct) { /* acc += p V with bfloat16 pairs of keys (see permuted_d) */
+                    static const uint16_t zero_row[256];
+                    for (int hb = kvh * group; hb < (kvh + 1) * group; hb += HG) {
+                        const int nh = (kvh + 1) * group - hb < HG ? (kvh + 1) * group - hb : HG;
+                        __m512 a[16];
+                        uint32_t pp[16][8]; /* (p[t], p[t+1]) as a bfloat16 pair */
+                        for (int hh = 0; hh < nh; hh++) {
+                            for (int c = 0; c < DC; c++) a[hh * DC + c] = _mm512_loadu_ps(w->acc + (size_t)(hb + hh) * D + 16 * c);
+                            const float *ps = w->s + (size_t)(hb + hh) * 16; /* zero past n */
+                            for (int t = 0; t < 16; t += 2)
+                                pp[hh][t / 2] = (uint32_t)f32_to_bf16(ps[t]) | ((uint32_t)f32_to_bf16(ps[t + 1]) << 16);
+                        }
+                        for (int t = 0; t < n; t += 2) {
+                            const uint16_t *r0 = (const uint16_t *)(vb + (size_t)t * token_stride * es);
+                            const uint16_t *r1 = t + 1 < n ? (const uint16_t *)(vb + (size_t)(t + 1) * token_stride * es) : zero_row;
+                            for (int c2 = 0; c2 < DC / 2; c2++) {
+                                const __m512i x = _mm512_loadu_si512(r0 + 32 * c2), y = _mm512_loadu_si512(r1 + 32 * c2);
+                                const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x, y);
+                                const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
+                                for (int hh = 0; hh < nh; hh++) {
+                                    const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)pp[hh][t / 2]);
+                                    a[hh * DC + 2 * c2] = _mm512_dpbf16_ps(a[hh * DC + 2 * c2], lo, pb);
+                                    a[hh * DC + 2 * c2 + 1] = _mm512_dpbf16_ps(a[hh * DC + 2 * c2 + 1], hi, pb);
+                                }
+                            }
+                        }
+                        for (int hh = 0; hh < nh; hh++)
+                            for (int c = 0; c < DC; c++) _mm512_storeu_ps(w->acc + (size_t)(hb + hh) * D + 16 * c, a[hh * DC + c]);
+                    }
+                    continue;
+                }
+#endif
+                for (int t = 0; t < n; t++) load_row(w->kbuf + (size_t)t * D, vb + (size_t)t * token_stride * es, D, dtype);
+                for (int hb = kvh * group; hb < (kvh + 1) * group; hb += HG) {
+                    const int nh = (kvh + 1) * group - hb < HG ? (kvh + 1) * group - hb : HG;
+                    __m512 a[16];
+                    for (int hh = 0; hh < nh; hh++)
+                        for (int c = 0; c < DC; c++) a[hh * DC + c] = _mm512_loadu_ps(w->acc + (size_t)(hb + hh) * D + 16 * c);
+                    for (int t = 0; t < n; t++) {
+                        const float *v = w->kbuf + (size_t)t * D;
+                        for (int c = 0; c < DC; c++) {
+                            const __m512 vc = _mm512_loadu_ps(v + 16 * c);
+                            for (int hh = 0; hh < nh; hh++)
+                                a[hh * DC + c] = _mm512_fmadd_ps(_mm512_set1_ps(w->s[(size_t)(hb + hh) * 16 + t]), vc, a[hh * DC + c]);
+                        }
+                    }
+                    for (int hh = 0; hh < nh; hh++)
+                        for (int c = 0; c < DC; c++) _mm512_storeu_ps(w->acc + (size_t)(hb + hh) * D + 16 * c, a[hh * DC + c]);
+                }
+            }
+        }
+    }
+    char *out_row = (char *)out + (size_t)it->row0 * out_stride_t * es;
+    int permuted = 0;
+#ifdef __AVX512BF16__
+    permuted = dtype == 1;
+#endif
+    for (int h = h0; h < h1; h++) {
+        const float inv = w->l[h] > 0.0f ? 1.0f / w->l[h] : 0.0f;
+        float *a = w->acc + (size_t)h * D;
+        float *o = w->kbuf;
+        for (int i = 0; i < D; i++) o[permuted ? permuted_d(i) : i] = a[i] * inv;
+        store_row(out_row + (size_t)h * D * es, o, D, dtype);
+    }
+}
+
+static void attend_row_d64(const Item *it, Scratch *w, void *out, const void *query,
+                           const char *k_cache, const char *v_cache, const int32_t *table,
+                           int64_t pos, int num_q_heads, int num_kv_heads, int block_size,
+                           int max_blocks, int64_t q_stride_t, int64_t out_stride_t, float scale,
+                           int dtype) {
+    attend_row_dc(it, w, out, query, k_cache, v_cache, table, pos, num_q_heads, num_kv_heads,
+                  block_size, max_blocks, q_stride_t, out_stride_t, scale, dtype, 4);
+}
+
+static void attend_row_d128(const Item *it, Scratch *w, void *out, const void *query,
+                            const char *k_cache, const char *v_cache, const int32_t *table,
+                            int64_t pos, int num_q_heads, int num_kv_heads, int block_size,
+                            int max_blocks, int64_t q_stride_t, int64_t out_stride_t, float scale,
+                            int dtype) {
+    attend_row_dc(it, w, out, query, k_cache, v_cache, table, pos, num_q_heads, num_kv_heads,
+                  block_size, max_blocks, q_stride_t, out_stride_t, scale, dtype, 8);
+}
+#endif
+
+#ifdef __AVX512F__
+/* The prefill path (a tile's R x GROUP query vectors of one kv head, at least 16): vectorised
+ * across the query vectors rather than along D, so no horizontal sums. Scores of 16 query
+ * vectors for one key are D FMAs of their transposed rows qt[d][j] with the key's element d
+ * broadcast; the softmax runs lane-wise; values accumulate into acc_t[d][j] the same way. */
+static void attend_tile_qvec(const Item *it, Scratch *w, void *out, const void *query,
+                             const char *k_cache, const char *v_cache, const int32_t *table,
+                             int64_t pos0, int num_q_heads, int num_kv_heads, int D,
+                             int block_size, int max_blocks, int64_t q_stride_t,
+                             int64_t out_stride_t, float scale, int dtype) {
+    const int group = num_q_heads / num_kv_heads, R = it->nrows;
+    const size_t esize = dtype == 1 ? 2 : 4;
+    const int64_t token_stride = (int64_t)num_kv_heads * D;
+    const int64_t block_stride = (int64_t)block_size * token_stride;
+    const int nq = R * group, ngroups = (nq + 15) / 16, nqp = ngroups * 16;
+    float *qt = w->q, *acc = w->acc, *S = w->s; /* qt, acc: [D][nqp]; S: [CHUNK][nqp] */
+    float *m = w->m, *l = w->l;                 /* [nqp] */
+    float pos[16 * 64];                         /* lane j's query position (as a float) */
+    const int64_t kv_len = pos0 + R;
+    for (int kvh = it->kvh0; kvh < it->kvh1; kvh++) {
+        memset(qt, 0, sizeof(float) * (size_t)D * nqp);
+        for (int j = 0; j < nq; j++) {
+            const int r = j / group, h = kvh * group + j % group;
+            load_row(w->kbuf, (const char *)query + ((size_t)(it->row0 + r) * q_stride_t + (size_t)h * D) * esize, D, dtype);
+            for (int d = 0; d < D; d++) qt[(size_t)d * nqp + j] = w->kbuf[d] * scale;
+        }
+        for (int j = 0; j < nqp; j++) {
+            pos[j] = j < nq ? (float)(pos0 + j / group) : -1.0f; /* padding lanes see no key */
+            m[j] = -INFINITY;
+            l[j] = 0.0f;
+        }
+        memset(acc, 0, sizeof(float) * (size_t)D * nqp);
+        const int64_t nblocks = (kv_len + block_size - 1) / block_size;
+        for (int64_t jb = 0; jb < nblocks && jb < max_blocks; jb++) {
+            const int64_t blk = table[jb];
+            if (blk < 0) continue;
+            for (int c0 = 0; c0 < block_size; c0 += CHUNK) {
+                const int64_t key0 = jb * block_size + c0;
+                if (key0 >= kv_len) break;
+                int n = block_size - c0 < CHUNK ? block_size - c0 : CHUNK;
+                if (key0 + n > kv_len) n = (int)(kv_len - key0);
+                const char *kb = k_cache + ((size_t)blk * block_stride + (size_t)c0 * token_stride + (size_t)kvh * D) * esize;
+                const char *vb = v_cache + ((size_t)blk * block_stride + (size_t)c0 * token_stride + (size_t)kvh * D) * esize;
+                float *kbuf = w->kbuf; /* [n][D] */
+                for (int t = 0; t < n; t++) load_row(kbuf + (size_t)t * D, kb + (size_t)t * token_stride * esize, D, dtype);
+                for (int g = 0; g < ngroups; g++) {
+                    const float *qg = qt + 16 * g;
+                    const __m512 pg = _mm512_loadu_ps(pos + 16 * g);
+                    __m512 mx = _mm512_loadu_ps(m + 16 * g);
+                    int t = 0;
+                    for (; t + 8 <= n; t += 8) { /* eight keys: eight independent chains */
+                        __m512 sv[8];
+                        for (int i = 0; i < 8; i++) sv[i] = _mm512_setzero_ps();
+                        const float *k0 = kbuf + (size_t)t * D;
+                        for (int d = 0; d < D; d++) {
+                            const __m512 q = _mm512_loadu_ps(qg + (size_t)d * nqp);
+                            for (int i = 0; i < 8; i++)
+                                sv[i] = _mm512_fmadd_ps(q, _mm512_set1_ps(k0[(size_t)i * D + d]), sv[i]);
+                        }
+                        for (int i = 0; i < 8; i++) {
+                            const __mmask16 live = _mm512_cmp_ps_mask(_mm512_set1_ps((float)(key0 + t + i)), pg, _CMP_LE_OQ);
+                            sv[i] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, sv[i]);
+                            mx = _mm512_max_ps(mx, sv[i]);
+                            _mm512_storeu_ps(S + (size_t)(t + i) * nqp + 16 * g, sv[i]);
+                        }
+                    }
+                    for (; t < n; t++) {
+                        __m512 s0 = _mm512_setzero_ps();
+                        for (int d = 0; d < D; d++)
+                            s0 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + (size_t)d * nqp), _mm512_set1_ps(kbuf[(size_t)t * D + d]), s0);
+                        const __mmask16 live = _mm512_cmp_ps_mask(_mm512_set1_ps((float)(key0 + t)), pg, _CMP_LE_OQ);
+                        s0 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, s0);
+                        mx = _mm512_max_ps(mx, s0);
+                        _mm512_storeu_ps(S + (size_t)t * nqp + 16 * g, s0);
+                    }
+                    /* lanes whose max is still -inf saw no key yet: leave them untouched */
+                    const __mmask16 seen = _mm512_cmp_ps_mask(mx, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+                    const __m512 mold = _mm512_loadu_ps(m + 16 * g);
+                    const __m512 corr = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), seen, exp16(_mm512_sub_ps(mold, mx)));
+                    __m512 sum = _mm512_setzero_ps();
+                    for (int t2 = 0; t2 < n; t2++) {
+                        float *st = S + (size_t)t2 * nqp + 16 * g;
+                        const __m512 p = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(_mm512_loadu_ps(st), mx)));
+                        _mm512_storeu_ps(st, p);
+                        sum = _mm512_add_ps(sum, p);
+                    }
+                    _mm512_storeu_ps(l + 16 * g, _mm512_fmadd_ps(_mm512_loadu_ps(l + 16 * g), corr, sum));
+                    _mm512_storeu_ps(m + 16 * g, _mm512_mask_mov_ps(mold, seen, mx));
+                    /* acc_t[d] = acc_t[d] * corr + sum_t p[t] v[t][d] */
+                    for (int t2 = 0; t2 < n; t2++) load_row(kbuf + (size_t)t2 * D, vb + (size_t)t2 * token_stride * esize, D, dtype);
+                    for (int d = 0; d < D; d += 4) { /* D % 16 == 0: four independent chains */
+                        float *ad = acc + (size_t)d * nqp + 16 * g;
+                        __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(ad), corr);
+                        __m512 a1 = _mm512_mul_ps(_mm512_loadu_ps(ad + nqp), corr);
+                        __m512 a2 = _mm512_mul_ps(_mm512_loadu_ps(ad + 2 * nqp), corr);
+                        __m512 a3 = _mm512_mul_ps(_mm512_loadu_ps(ad + 3 * nqp), corr);
+                        for (int t2 = 0; t2 < n; t2++) {
+                            const __m512 p = _mm512_loadu_ps(S + (size_t)t2 * nqp + 16 * g);
+                            const float *v = kbuf + (size_t)t2 * D + d;
+                            a0 = _mm512_fmadd_ps(p, _mm512_set1_ps(v[0]), a0);
+                            a1 = _mm512_fmadd_ps(p, _mm512_set1_ps(v[1]), a1);
+                            a2 = _mm512_fmadd_ps(p, _mm512_set1_ps(v[2]), a2);
+                            a3 = _mm512_fmadd_ps(p, _mm512_set1_ps(v[3]), a3);
+                        }
+                        _mm512_storeu_ps(ad, a0);
+                        _mm512_storeu_ps(ad + nqp, a1);
+                        _mm512_storeu_ps(ad + 2 * nqp, a2);
+                        _mm512_storeu_ps(ad + 3 * nqp, a3);
+                    }
+                    /* the key rows are needed again by the next lane group */
+                    if (g + 1 < ngroups)
+                        for (int t2 = 0; t2 < n; t2++) load_row(kbuf + (size_t)t2 * D, kb + (size_t)t2 * token_stride * esize, D, dtype);
+                }
+            }
+        }
+        for (int j = 0; j < nq; j++) {
+            const int r = j / group, h = kvh * group + j % group;
+            const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;
+            for (int d = 0; d < D; d++) w->kbuf[d] = acc[(size_t)d * nqp + j] * inv;
+            store_row((char *)out + ((size_t)(it->row0 + r) * out_stride_t + (size_t)h * D) * esize, w->kbuf, D, dtype);
+        }
+    }
+}
+#endif
+
 /* Returns 0, -1 on a bad size, -2 when out of memory. */
 int paged_attention_cpu(
     void *out,                /* [T, Hq, D], row stride out_stride_t, head stride D */
@@ -236,7 +578,7 @@ int paged_attention_cpu(
 #pragma omp parallel num_threads(num_threads)
     {
         Scratch w;
-        const size_t states = (size_t)ROWS * num_q_heads;
+        const size_t states = (size_t)ROWS * num_q_heads + 16; /* + lane padding (qvec path) */
         w.q = malloc(sizeof(float) * states * head_size);
         w.acc = malloc(sizeof(float) * states * head_size);
         w.m = malloc(sizeof(float) * states);
@@ -254,6 +596,22 @@ int paged_attention_cpu(
             const int32_t b = it->seq;
             const int64_t q_len = query_start_loc[b + 1] - query_start_loc[b];
             const int64_t pos0 = seq_lens[b] - q_len + (it->row0 - query_start_loc[b]);
+#ifdef __AVX512F__
+            if (it->nrows == 1 && (head_size == 64 || head_size == 128)) {
+                (head_size == 64 ? attend_row_d64 : attend_row_d128)(
+                    it, &w, out, query, (const char *)k_cache, (const char *)v_cache,
+                    block_tables + (int64_t)b * max_blocks, pos0, num_q_heads, num_kv_heads,
+                    block_size, max_blocks, q_stride_t, out_stride_t, scale, dtype);
+                continue;
+            }
+            if (head_size % 16 == 0 && it->nrows * (num_q_heads / num_kv_heads) >= QVEC_MIN) {
+                attend_tile_qvec(it, &w, out, query, (const char *)k_cache, (const char *)v_cache,
+                                 block_tables + (int64_t)b * max_blocks, pos0, num_q_heads,
+                                 num_kv_heads, head_size, block_size, max_blocks, q_stride_t,
+                                 out_stride_t, scale, dtype);
+                continue;
+            }
+#endif
             attend_item(it, &w, out, query, (const char *)k_cache, (const char *)v_cache,
                         block_tables + (int64_t)b * max_blocks, pos0, num_q_heads, num_kv_heads,
                         head_size, block_size, max_blocks, q_stride_t, out_stride_t, scale, dtype);
