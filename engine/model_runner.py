@@ -21,6 +21,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.context import AttentionMetadata, set_context
+from engine.cpu_runtime import keep_freed_memory
 from engine.distributed import all_reduce_min, broadcast_cpu, tp_rank, tp_size
 from engine.layers.attention import Attention
 from engine.layers.sampler import Sampler, SamplerOutput
@@ -60,6 +61,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.tp = tp_size()
         self.tp_broken = False  # a step's collectives were interrupted: the group is unusable
+        if device.type == "cpu":
+            keep_freed_memory()
         self.model = self._build_model(model_path, progress)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_blocks = self._allocate_kv_cache()
