@@ -1,8 +1,12 @@
-"""Fused kernels for the engine's layers; `kernels.ops` is the only module the engine calls.
+"""Fused kernels for the engine's layers; the engine calls `kernels.ops` (and `cpu_gemm` for its
+matmuls on the CPU).
 
 | file | what |
 |---|---|
-| `ops.py` | entry points and the backend switch ("auto": Triton on CUDA, references on CPU) |
+| `ops.py` | entry points and the backend switch ("auto": Triton on CUDA, C kernels or references on CPU) |
+| `cpu_kernels.py` | builds, loads (ctypes) and calls the C kernels of `csrc/` for CPU tensors |
+| `csrc/` | C: paged attention, RMSNorm, SiLU-and-mul, rotary, KV store (AVX-512 paths, OpenMP) |
+| `cpu_gemm.py` | bfloat16 linear layers on the CPU with weights prepacked once for oneDNN |
 | `rms_norm.py` | RMSNorm and fused residual-add + RMSNorm (residual updated in place) |
 | `activation.py` | SiLU-and-multiply |
 | `rotary.py` | rotary embedding of q and k in place from the cos/sin cache |
@@ -12,7 +16,7 @@
 | `attention_tile.py` | the online-softmax loop both attention kernels share |
 | `_triton.py` | lazy Triton import (kernels import, and run their references, without it) |
 
-Each kernel file holds the `@triton.jit` kernel, its checking launcher (`*_triton`) and the
-pure-torch reference (`*_ref`). Tests: `tests/kernels` (CPU via `TRITON_INTERPRET=1`, CUDA with
+Each Triton kernel file holds the `@triton.jit` kernel, its checking launcher (`*_triton`) and
+the pure-torch reference (`*_ref`); the C kernels follow the references' contracts. Tests: `tests/kernels` (CPU via `TRITON_INTERPRET=1`, CUDA with
 `-m gpu`); benchmarks: `load_tests/kernel_bench.py`.
 """

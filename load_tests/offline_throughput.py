@@ -537,6 +537,7 @@ def plot(runs: dict[str, list[dict]], path: str, title: str) -> None:
     bars = ax.bar(names, values, color=["#3b75af", "#ef8636", "#519e3e"][: len(names)])
     ax.bar_label(bars, fmt="%.1f")
     ax.set_ylabel("output tokens/s")
+    ax.margins(y=0.12)  # room for the bar labels
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -621,7 +622,9 @@ def main(argv=None) -> None:
     print(json.dumps(summary(runs)), flush=True)
     if args.plot:
         rounds = f", median of {args.rounds} rounds" if args.rounds > 1 else ""
-        plot(runs, args.plot, f"{args.model_size}, {args.num_prompts} requests, "
+        hf = (f" (hf: first {args.hf_num_prompts})"
+              if args.hf_num_prompts and "hf" in runs else "")
+        plot(runs, args.plot, f"{args.model_size}, {args.num_prompts} requests{hf}, "
              f"{args.threads} threads{rounds}")
 
 

@@ -10,8 +10,12 @@ from torch import nn
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from engine.layers.linear import (LinearBase, MergedColumnParallelLinear, QKVParallelLinear,
-                                  RowParallelLinear)
+from engine.layers.linear import (
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.hf_config import HFConfig

@@ -1,4 +1,5 @@
-"""The pure-torch references (the engine's CPU compute path) against naive formulas, and ops."""
+"""The pure-torch references (the CPU fallback and the kernels' yardstick) against naive
+formulas, and ops."""
 
 from __future__ import annotations
 
@@ -128,7 +129,9 @@ def test_backend_switch_validates_and_restores():
     assert ops.get_backend() == "auto"
 
 
-def test_auto_backend_uses_references_on_cpu(monkeypatch):
+def test_auto_backend_never_calls_triton_on_cpu(monkeypatch):
+    """'auto' runs CPU tensors on the C kernels (tests/kernels/test_cpu_kernels.py) or the
+    references, never on Triton."""
     def fail(*args, **kwargs):
         raise AssertionError("Triton kernel called for a CPU tensor under 'auto'")
 
@@ -137,8 +140,9 @@ def test_auto_backend_uses_references_on_cpu(monkeypatch):
     monkeypatch.setattr(rms_norm, "rms_norm_triton", fail)
     monkeypatch.setattr(activation, "silu_and_mul_triton", fail)
     x = torch.randn(3, 8)
-    assert torch.equal(ops.rms_norm(x, torch.ones(8), 1e-6), rms_norm_ref(x, torch.ones(8), 1e-6))
-    assert torch.equal(ops.silu_and_mul(x), F.silu(x[:, :4]) * x[:, 4:])
+    torch.testing.assert_close(ops.rms_norm(x, torch.ones(8), 1e-6),
+                               rms_norm_ref(x, torch.ones(8), 1e-6))
+    torch.testing.assert_close(ops.silu_and_mul(x), F.silu(x[:, :4]) * x[:, 4:])
 
 
 def test_ops_work_without_triton():

@@ -1,0 +1,194 @@
+"""The C kernels for the CPU (kernels/csrc, through kernels.cpu_kernels) against the torch
+references and exact formulas; the prepacked oneDNN linear against F.linear; the fallbacks."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_gemm, ops
+from kernels import cpu_kernels as cpu
+from kernels.activation import silu_and_mul_ref
+from kernels.kv_cache import store_kv_cache_ref
+from kernels.paged_attention import paged_attention_ref
+from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
+from kernels.rotary import rotary_embedding_ref
+from tests.kernels.kernel_testing import build_paged_batch
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None,
+                                reason="no C compiler: the CPU kernels fall back to torch")
+# Against the float64-accurate torch references: float32 to rounding, bfloat16 to its
+# rounding plus the bfloat16 softmax weights of the decode path's value product.
+TOL = {torch.float32: dict(atol=3e-5, rtol=3e-5), torch.bfloat16: dict(atol=2.5e-2, rtol=2.5e-2)}
+
+
+def test_library_builds_and_loads():
+    assert cpu.available()
+    path = cpu.build()
+    assert path.exists() and path.parent.parent.name == "kernels"
+    assert path == cpu.library_path()  # cached: a second build is the same file
+
+
+def _attention(batch, scale, dtype):
+    k, v = batch.k_cache.contiguous(), batch.v_cache.contiguous()  # the engine's layout
+    args = (batch.query, k, v, batch.block_tables, batch.seq_lens, batch.query_start_loc)
+    assert cpu.supports_attention(*args)
+    got = cpu.paged_attention(*args, scale)
+    expected = paged_attention_ref(*args, scale, batch.max_query_len, batch.max_seq_len)
+    return got, expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,head_size", [((14, 2), 64), ((8, 2), 128), ((4, 4), 64),
+                                             ((6, 2), 32), ((4, 1), 80)])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_paged_attention_matches_reference(dtype, heads, head_size, block_size):
+    # prefill from scratch, prefill chunks after a cached prefix, decode rows (short and long)
+    seq_lens, query_lens = [37, 5, 70, 200, 1, 130], [37, 1, 9, 1, 1, 24]
+    torch.manual_seed(block_size + head_size)
+    batch = build_paged_batch(seq_lens, query_lens, *heads, head_size=head_size,
+                              block_size=block_size, dtype=dtype)
+    got, expected = _attention(batch, head_size**-0.5, dtype)
+    assert got.dtype == dtype and got.shape == expected.shape
+    torch.testing.assert_close(got.float(), expected.float(), **TOL[dtype])
+
+
+def test_paged_attention_decode_only_and_padding_rows():
+    batch = build_paged_batch([300, 17, 64], [1, 1, 1], 14, 2, head_size=64, block_size=16,
+                              dtype=torch.bfloat16)
+    got, expected = _attention(batch, 0.125, torch.bfloat16)
+    torch.testing.assert_close(got.float(), expected.float(), **TOL[torch.bfloat16])
+    query = torch.cat([batch.query, torch.randn(3, 14, 64).bfloat16()])  # 3 rows past the batch
+    out = cpu.paged_attention(query, batch.k_cache.contiguous(), batch.v_cache.contiguous(),
+                              batch.block_tables, batch.seq_lens, batch.query_start_loc, 0.125)
+    assert torch.equal(out[:3], got) and not out[3:].any()
+
+
+def test_paged_attention_ignores_cache_outside_the_sequence():
+    """Keys past a sequence's length (stale data, even NaN) never reach its output."""
+    batch = build_paged_batch([20, 9], [1, 9], 4, 2, head_size=64, block_size=16,
+                              dtype=torch.float32)
+    k, v = batch.k_cache.contiguous(), batch.v_cache.contiguous()
+    args = (batch.query, k, v, batch.block_tables, batch.seq_lens, batch.query_start_loc)
+    before = cpu.paged_attention(*args, 0.125)
+    for b, n in enumerate(batch.seq_lens.tolist()):  # poison each last block's unused slots
+        last = int(batch.block_tables[b, (n - 1) // 16])
+        k[last, n % 16 or 16 :] = float("nan")
+        v[last, n % 16 or 16 :] = float("nan")
+    assert torch.equal(cpu.paged_attention(*args, 0.125), before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [896, 40])  # 40: the scalar tail after the vector loop
+def test_rms_norm_and_fused_residual(dtype, hidden):
+    torch.manual_seed(hidden)
+    x = (torch.randn(37, hidden) * 3).to(dtype)
+    weight = torch.randn(hidden).to(dtype)
+    residual = torch.randn(37, hidden).to(dtype)
+    torch.testing.assert_close(cpu.rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6),
+                               **TOL[dtype])
+    res_c, res_ref = residual.clone(), residual.clone()
+    out_c = cpu.rms_norm(x, weight, 1e-6, res_c)
+    out_ref, _ = fused_add_rms_norm_ref(x, res_ref, weight, 1e-6)
+    assert torch.equal(res_c, res_ref)  # the residual is x + residual rounded once
+    torch.testing.assert_close(out_c, out_ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(dtype):
+    x = (torch.randn(19, 2 * 4867) * 4).to(dtype)  # odd width: vector loop plus scalar tail
+    x[0, :3] = torch.tensor([-100.0, 100.0, 0.0]).to(dtype)  # exp under- and overflow
+    got = cpu.silu_and_mul(x)
+    torch.testing.assert_close(got, silu_and_mul_ref(x), **TOL[dtype])
+    assert got[0, 0] == 0 and got[0, 2] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_size", [64, 48])
+def test_rotary_on_strided_views(dtype, head_size):
+    """q and k are views into the qkv product (rows strided), rotated in place."""
+    hq, hk, tokens = 6, 2, 11
+    qkv = torch.randn(tokens, (hq + 2 * hk) * head_size).to(dtype)
+    q, k, _ = qkv.split([hq * head_size, hk * head_size, hk * head_size], dim=-1)
+    q_ref, k_ref = q.clone(), k.clone()
+    freqs = torch.outer(torch.arange(64.0), torch.rand(head_size // 2))
+    cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    positions = torch.randint(0, 64, (tokens,))
+    v_before = qkv[:, (hq + hk) * head_size :].clone()
+    cpu.rotary_embedding(positions, q, k, cache, head_size)
+    rotary_embedding_ref(positions, q_ref, k_ref, cache, head_size)
+    torch.testing.assert_close(q, q_ref, **TOL[dtype])
+    torch.testing.assert_close(k, k_ref, **TOL[dtype])
+    assert torch.equal(qkv[:, (hq + hk) * head_size :], v_before)  # v untouched
+
+
+def test_store_kv_matches_reference_and_skips_minus_one():
+    kv = torch.randn(9, 2 * 2 * 64).bfloat16()
+    key, value = kv[:, :128].view(9, 2, 64), kv[:, 128:].view(9, 2, 64)  # strided views
+    slots = torch.tensor([5, -1, 40, 0, 17, 63, -1, 33, 8])
+    caches = [torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16) for _ in range(4)]
+    cpu.store_kv_cache(key, value, caches[0], caches[1], slots)
+    store_kv_cache_ref(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[0].flatten(0, 1)[5].equal(key[0]) and caches[1].flatten(0, 1)[63].equal(value[5])
+
+
+def test_auto_backend_takes_the_c_kernels_and_reference_forces_torch(monkeypatch):
+    calls = []
+    real = cpu.silu_and_mul
+    monkeypatch.setattr(cpu, "silu_and_mul", lambda x: calls.append(1) or real(x))
+    x = torch.randn(4, 32)
+    ops.silu_and_mul(x)
+    assert calls == [1]
+    with ops.backend("reference"):
+        assert torch.equal(ops.silu_and_mul(x), silu_and_mul_ref(x))
+    assert calls == [1]
+
+
+def test_disabled_c_kernels_fall_back_to_torch():
+    code = (
+        "import torch\n"
+        "from kernels import cpu_kernels, ops\n"
+        "from kernels.activation import silu_and_mul_ref\n"
+        "assert not cpu_kernels.available()\n"
+        "x = torch.randn(3, 8)\n"
+        "assert torch.equal(ops.silu_and_mul(x), silu_and_mul_ref(x))\n"
+    )
+    env = dict(os.environ, PAGEDSERVE_CPU_KERNELS="0")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, timeout=120)
+
+
+def test_missing_compiler_warns_and_falls_back(tmp_path):
+    code = (
+        "import logging, torch\n"
+        "logging.basicConfig(level=logging.WARNING)\n"
+        "from kernels import cpu_kernels, ops\n"
+        "assert not cpu_kernels.available()\n"
+        "x = torch.randn(3, 8)\n"
+        "assert ops.rms_norm(x, torch.ones(8), 1e-6).shape == (3, 8)\n"
+    )
+    env = dict(os.environ, CC="no-such-compiler", PAGEDSERVE_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, timeout=120,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "CPU kernels unavailable" in proc.stderr and "no-such-compiler" in proc.stderr
+
+
+@pytest.mark.skipif(not cpu_gemm.packing_supported(torch.empty(2, 2, dtype=torch.bfloat16)),
+                    reason="no oneDNN bfloat16 support on this CPU")
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_packed_linear_gives_the_bits_of_f_linear(rows):
+    weight = torch.randn(96, 40).bfloat16()
+    bias = torch.randn(96).bfloat16()
+    x = torch.randn(rows, 40).bfloat16()
+    packed = cpu_gemm.pack(weight)
+    assert torch.equal(cpu_gemm.packed_linear(x, packed, bias), F.linear(x, weight, bias))
+    assert torch.equal(cpu_gemm.packed_linear(x, packed, None), F.linear(x, weight))
