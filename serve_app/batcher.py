@@ -53,6 +53,7 @@ class Batch:
     requests: list[EngineRequest]
     task: asyncio.Task | None = None
     attempt: int = 0  # 1 when these requests are retried after their Worker died
+    stream_id: str | None = None  # the Worker stream this batch's call opened
     avoid_replica: str | None = None  # the replica that died: the retry goes elsewhere
 
     def all_released(self) -> bool:
@@ -100,34 +101,50 @@ class DynamicBatcher:
 
 
 async def fan_out(batch: Batch, messages: AsyncIterator[dict[str, Any]],
-                  on_routed: Callable[[list[EngineRequest]], None] | None = None) -> None:
+                  on_routed: Callable[[list[EngineRequest]], None] | None = None,
+                  live: dict[str, EngineRequest] | None = None) -> str | None:
     """Route each Worker message's parts to the requests' queues.
 
-    ``on_routed`` sees the batch once its replica is known (to abort requests already gone).
+    Parts name their request by position in the batch, or by request id, looked up in
+    ``live`` (a stream shared by several batches; finished requests leave ``live``).
+    ``on_routed`` sees the batch once its replica is known and it streams (to abort requests
+    already gone). Returns the replica when the batch joined an open stream there (its call then ends at once
+    and the stream's own ``fan_out`` carries the requests), else None when the stream ended.
     """
-    requests = batch.requests
+    def find(key: int | str) -> EngineRequest | None:
+        if isinstance(key, int):
+            return batch.requests[key]
+        return live.get(key) if live is not None else None
+
     async for msg in messages:
         if "replica" in msg:
-            for r in requests:
+            for r in batch.requests:
                 r.replica = msg["replica"]
                 r.routed.set()
+            if msg.get("attached"):
+                return msg.get("stream")
+            batch.stream_id = msg.get("stream")
             if on_routed is not None:
-                on_routed(requests)
+                on_routed(batch.requests)
             continue
         now = time.monotonic()
-        for slot, index, token_ids, finish, logprobs in msg.get("t", ()):
-            r = requests[slot]
+        for key, index, token_ids, finish, logprobs in msg.get("t", ()):
+            r = find(key)
+            if r is None:
+                continue
             if r.first_output_at is None:
                 r.first_output_at = now
             r.events.put_nowait((r, ("t", index, token_ids, finish, logprobs)))
-        for slot, num_prompt, num_cached in msg.get("done", ()):
-            r = requests[slot]
-            r.finished = True
-            r.events.put_nowait((r, ("done", num_prompt, num_cached)))
-        for slot, status, message in msg.get("err", ()):
-            r = requests[slot]
-            r.finished = True
-            r.events.put_nowait((r, ("err", status, message)))
+        for kind, parts in (("done", msg.get("done", ())), ("err", msg.get("err", ()))):
+            for key, a, b in parts:
+                r = find(key)
+                if r is None:
+                    continue
+                r.finished = True
+                r.events.put_nowait((r, (kind, a, b)))
+                if live is not None:
+                    live.pop(r.request_id, None)
+    return None
 
 
 def fail_unfinished(batch: Batch, status: int, message: str) -> None:

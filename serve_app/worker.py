@@ -3,13 +3,20 @@
 It accepts batches of already-tokenized requests in one streaming handle call and streams back
 one compact message per engine step with every request's new token ids (and logprobs):
 
-    {"replica": "<replica id>"}                                 # first message of every batch
-    {"t": [[slot, index, token_ids, finish_reason, logprobs], ...],
-     "done": [[slot, num_prompt_tokens, num_cached_tokens], ...],
-     "err": [[slot, status, message], ...]}                      # keys present only when non-empty
+    {"replica": "<replica id>", "stream": "<id>", "attached": False}  # first message of a call
+    {"t": [[key, index, token_ids, finish_reason, logprobs], ...],
+     "done": [[key, num_prompt_tokens, num_cached_tokens], ...],
+     "err": [[key, status, message], ...]}                       # keys present only when non-empty
 
-``slot`` is the request's position in the batch, ``index`` the sequence (of ``n``).
-Cancelling the call aborts every request of the batch that is still running.
+``key`` is the request id given with ``stream_key`` (else the request's position in the batch),
+``index`` the sequence (of ``n``).
+
+Shared streams: a Router names itself with ``stream_key``. A batch routed to a replica that
+already streams for that key joins that stream instead of opening one: its call answers
+``{"replica": ..., "stream": <that stream's id>, "attached": True}`` and ends, and its requests'
+tokens travel in the open stream's per-step messages. A Router with many small batches in flight (one per arriving
+request, under steady load) then gets one message per engine step, not one per batch. A stream
+ends when its last request does. Cancelling a stream's call aborts every request it carries.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import asyncio
 import logging
 import os
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
@@ -30,6 +38,16 @@ logger = logging.getLogger("ray.serve")
 
 # One queued item from a per-request pump: ("t", [...]) | ("done", [...]) | ("err", [...]).
 _Item = tuple[str, list]
+
+
+class _Stream:
+    """One open ``generate_batch`` call: its queue and the requests it carries."""
+
+    def __init__(self) -> None:
+        self.id = uuid.uuid4().hex
+        self.queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self.pumps: dict[str, asyncio.Task] = {}  # request id -> its pump
+        self.remaining = 0  # requests not finished yet
 
 
 class Worker:
@@ -50,6 +68,7 @@ class Worker:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.metrics = WorkerMetrics.for_replica(self.engine, config)
         self._pumps: dict[str, asyncio.Task] = {}  # request id -> task streaming it
+        self._streams: dict[str, _Stream] = {}  # stream_key -> that Router's open stream
         self.requests_total = 0
         self.aborted_total = 0  # requests stopped here by an abort control call
         self.batches_total = 0
@@ -59,7 +78,7 @@ class Worker:
     # ---- data path -------------------------------------------------------------------------
 
     async def generate_batch(self, requests: list[tuple], prefix_hashes: list | None = None,
-                             avoid_replica: str | None = None,
+                             avoid_replica: str | None = None, stream_key: str | None = None,
                              ) -> AsyncIterator[dict[str, Any]]:
         """Run a batch; ``requests`` = [(request_id, prompt_token_ids, SamplingParams), ...].
 
@@ -68,26 +87,39 @@ class Worker:
         del prefix_hashes, avoid_replica
         self.batches_total += 1
         self.requests_total += len(requests)
+        stream = self._streams.get(stream_key) if stream_key is not None else None
+        if stream is not None:  # join the Router's open stream on this replica
+            self._attach(stream, requests, by_id=True)
+            yield {"replica": self.replica_id, "stream": stream.id, "attached": True}
+            return
+        stream = _Stream()
+        if stream_key is not None:
+            self._streams[stream_key] = stream
         self.batches_running += 1
-        queue: asyncio.Queue[_Item] = asyncio.Queue()
-        pumps = [asyncio.create_task(self._pump(slot, req, queue))
-                 for slot, req in enumerate(requests)]
-        for req, task in zip(requests, pumps, strict=True):
-            self._pumps[req[0]] = task
+        self._attach(stream, requests, by_id=stream_key is not None)
         try:
-            yield {"replica": self.replica_id}
-            remaining = len(requests)
-            while remaining:
-                message, finished = _drain(await queue.get(), queue)
-                remaining -= finished
-                yield message
+            yield {"replica": self.replica_id, "stream": stream.id, "attached": False}
+            while stream.remaining:
+                message, finished = _drain(await stream.queue.get(), stream.queue)
+                stream.remaining -= finished
+                yield message  # batches may join while this waits for the consumer
         finally:
+            if stream_key is not None and self._streams.get(stream_key) is stream:
+                del self._streams[stream_key]  # before any await: no batch joins a closed stream
             self.batches_running -= 1
-            for req, task in zip(requests, pumps, strict=True):
-                self._pumps.pop(req[0], None)
+            for request_id, task in stream.pumps.items():
+                self._pumps.pop(request_id, None)
                 task.cancel()  # closing a generate() stream aborts its request
 
-    async def _pump(self, slot: int, req: tuple, queue: asyncio.Queue[_Item]) -> None:
+    def _attach(self, stream: _Stream, requests: list[tuple], by_id: bool) -> None:
+        for slot, req in enumerate(requests):
+            key = req[0] if by_id else slot
+            task = asyncio.create_task(self._pump(key, req, stream.queue))
+            stream.pumps[req[0]] = task
+            self._pumps[req[0]] = task
+        stream.remaining += len(requests)
+
+    async def _pump(self, slot: int | str, req: tuple, queue: asyncio.Queue[_Item]) -> None:
         request_id, prompt_token_ids, params = req
         put = queue.put_nowait
         cached = 0

@@ -10,6 +10,10 @@ own, naming the dead replica so that the request router gives it to another one 
 one). The others get a 503: they have streamed tokens already, so running them again would
 repeat output.
 
+Batches share streams: every batch names this client's ``stream_key``; one routed to a replica
+that already streams for this client joins that stream (see ``serve_app.worker``), and the
+stream's task fans its requests out by request id (``_live``).
+
 Handle calls are made in an empty ``contextvars.Context``: inside an HTTP request, Serve gives
 every handle call that request's internal request id, and its request router matches pending
 calls to replicas by that id, so two calls from one request (stats for two replicas, two
@@ -22,6 +26,7 @@ import asyncio
 import contextvars
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -49,22 +54,33 @@ class WorkerClient:
         self._stream = handle.options(stream=True)
         self._deployment = deployment
         self._background: set[asyncio.Task] = set()
+        self._stream_key = uuid.uuid4().hex  # names this client's shared streams
+        self._live: dict[str, EngineRequest] = {}  # request id -> request, while unfinished
+        self._open: dict[str, Batch] = {}  # Worker stream id -> the batch whose call opened it
 
     # ---- data path -------------------------------------------------------------------------
 
     async def run_batch(self, batch: Batch) -> None:
-        """Send one batch in one streaming call and fan its messages out (the batcher's sink)."""
+        """Send one batch in one streaming call and fan its messages out (the batcher's sink).
+        A batch that joins an open stream hands its requests to that stream's batch."""
         hashes = [r.prefix_hashes for r in batch.requests]
         extra = {"avoid_replica": batch.avoid_replica} if batch.avoid_replica else {}
+        for r in batch.requests:
+            self._live[r.request_id] = r
         gen = fresh_call(lambda: self._stream.generate_batch.remote(
             requests=[r.wire() for r in batch.requests],
-            prefix_hashes=hashes if any(hashes) else None, **extra,
+            prefix_hashes=hashes if any(hashes) else None, stream_key=self._stream_key,
+            **extra,
         ))
         try:
-            await fan_out(batch, gen, self._abort_released)
+            joined = await fan_out(batch, gen, self._on_routed, self._live)
+            if joined is not None:
+                await self._join(batch, joined)
+                return
             fail_unfinished(batch, 500, "the Worker ended the stream early")
         except asyncio.CancelledError:
             gen.cancel()  # every listener left: the Worker aborts what is still running
+            self._abort_joined_late(batch)
             fail_unfinished(batch, 499, "cancelled")
         except Exception as exc:
             logger.warning("batch of %d failed: %s", len(batch.requests), exc)
@@ -73,7 +89,48 @@ class WorkerClient:
             rest = Batch([r for r in batch.requests if r not in retry])
             fail_unfinished(rest, 503, f"Worker unavailable: {type(exc).__name__}")
             if retry:
+                self._close(batch)  # no batch joins a dead replica's stream
                 await self._retry(batch, retry)
+        finally:
+            self._close(batch)
+
+    def _close(self, batch: Batch) -> None:
+        """The batch's call is over: it no longer takes joins; its finished requests leave."""
+        if batch.stream_id is not None and self._open.get(batch.stream_id) is batch:
+            del self._open[batch.stream_id]
+        for r in batch.requests:
+            if r.finished:
+                self._live.pop(r.request_id, None)
+
+    def _on_routed(self, requests: list[EngineRequest]) -> None:
+        """A batch opened a stream: batches that join it find it here."""
+        batch = requests[0].batch if requests else None
+        if batch is not None and batch.stream_id is not None:
+            self._open[batch.stream_id] = batch
+        self._abort_released(requests)
+
+    async def _join(self, batch: Batch, stream_id: str) -> None:
+        """``batch`` joined an open stream: that stream's task now carries its requests. The
+        stream's first message can reach us after the join's answer: wait for it."""
+        deadline = time.monotonic() + CONTROL_TIMEOUT_S
+        while stream_id not in self._open and time.monotonic() < deadline:
+            if all(r.finished for r in batch.requests):
+                return  # the stream came and went, and carried them to the end
+            await asyncio.sleep(0.001)
+        stream = self._open.get(stream_id)
+        if stream is None:
+            fail_unfinished(batch, 503, "the Worker stream was lost; retry the request")
+            return
+        stream.requests.extend(batch.requests)
+        for r in batch.requests:
+            r.batch = stream
+        self._abort_released(batch.requests)
+
+    def _abort_joined_late(self, batch: Batch) -> None:
+        """A cancelled call may have joined a stream already: abort those requests there."""
+        routed = [r for r in batch.requests if r.replica is not None and not r.finished]
+        if routed:
+            self.abort(routed[0].replica, [r.request_id for r in routed])
 
     async def _retry(self, failed: Batch, requests: list[EngineRequest]) -> None:
         """Run ``requests`` again in this task (so a client leaving still cancels them)."""
@@ -92,10 +149,12 @@ class WorkerClient:
         batch = request.batch
         if request.finished or batch is None:
             return
-        if batch.all_released() and batch.task is not None and not batch.task.done():
-            batch.task.cancel()
-        elif request.replica is not None:
+        if request.replica is not None:
+            # Routed: abort it there. Its stream may carry other batches' requests (and more
+            # may be joining), so the stream's call is never cancelled for a client leaving.
             self.abort(request.replica, [request.request_id])
+        elif batch.all_released() and batch.task is not None and not batch.task.done():
+            batch.task.cancel()  # not at a Worker yet: drop the call
 
     def _abort_released(self, requests: list[EngineRequest]) -> None:
         released = [r for r in requests if r.released and not r.finished]

@@ -296,6 +296,9 @@ class _FakeHandle:
 
 
 def test_leaving_early_aborts_at_the_replica_or_cancels_the_batch():
+    """A routed request is aborted at its replica (its stream may carry other batches'
+    requests, so the call is never cancelled for it); a batch not at a Worker yet whose
+    clients all left is dropped by cancelling its call."""
     from serve_app.worker_client import WorkerClient
 
     async def run():
@@ -305,13 +308,23 @@ def test_leaving_early_aborts_at_the_replica_or_cancels_the_batch():
         batch = Batch([a, b], task=asyncio.get_running_loop().create_task(asyncio.sleep(10)))
         for r in (a, b):
             r.batch, r.replica = batch, "rep-7"
-        client.release(a)  # b still listens: abort a at its replica only
+        client.release(a)
+        client.release(b)
         await asyncio.sleep(0.01)
-        assert handle.calls == [("abort", {"request_ids": [a.request_id],
-                                           "target_replica": "rep-7"})]
-        client.release(b)  # nobody listens: cancel the whole streaming call
+        assert handle.calls == [
+            ("abort", {"request_ids": [a.request_id], "target_replica": "rep-7"}),
+            ("abort", {"request_ids": [b.request_id], "target_replica": "rep-7"})]
+        assert not batch.task.done()
+        c, d = _req(), _req()
+        unrouted = Batch([c, d], task=asyncio.get_running_loop().create_task(asyncio.sleep(10)))
+        c.batch = d.batch = unrouted
+        client.release(c)  # d still listens: nothing to do yet
         await asyncio.sleep(0)
-        assert batch.task.cancelled() and len(handle.calls) == 1
+        assert not unrouted.task.done()
+        client.release(d)  # nobody listens and nothing reached a Worker: drop the call
+        await asyncio.sleep(0)
+        assert unrouted.task.cancelled() and len(handle.calls) == 2
+        batch.task.cancel()
 
     asyncio.run(run())
 

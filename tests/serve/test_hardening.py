@@ -103,7 +103,7 @@ class _Handle:
 
     @property
     def generate_batch(self):
-        def remote(requests, prefix_hashes=None, avoid_replica=None):
+        def remote(requests, prefix_hashes=None, avoid_replica=None, stream_key=None):
             self.batches.append([r[0] for r in requests])
             self.avoided.append(avoid_replica)
             return _Stream(self.scripts.pop(0))
@@ -177,3 +177,70 @@ def test_a_retried_batch_never_goes_back_to_the_dead_replica():
     assert choose([dead, busy], requests=[1]) == ["dead", "busy"]  # least loaded first
     assert choose([dead, busy], requests=[1], avoid_replica="dead") == ["busy"]
     assert choose([dead], requests=[1], avoid_replica="dead") == []  # wait for another one
+
+
+# ---- shared streams: a batch routed to a replica already streaming for this Router joins it ---
+
+class _GatedStream(_Stream):
+    """A stream whose messages wait for the test to release them one by one."""
+
+    def __init__(self, script: list, gate: asyncio.Queue) -> None:
+        super().__init__(script)
+        self.gate = gate
+
+    async def _run(self):
+        for item in self.script:
+            await self.gate.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+def test_a_batch_joins_the_open_stream_and_its_tokens_come_through_it():
+    async def run():
+        gate: asyncio.Queue = asyncio.Queue()
+        a = EngineRequest([1, 2], SamplingParams(max_tokens=2))
+        b = EngineRequest([3], SamplingParams(max_tokens=1))
+        stream = [{"replica": "r1", "stream": "s1", "attached": False},
+                  {"t": [[a.request_id, 0, [7], None, None]]},
+                  # b joined: its tokens and end come on a's stream, keyed by request id
+                  {"t": [[b.request_id, 0, [9], "length", None],
+                         [a.request_id, 0, [8], "length", None]],
+                   "done": [[b.request_id, 1, 0]]},
+                  {"done": [[a.request_id, 2, 0]]}]
+        handle = _Handle()
+        calls = iter([_GatedStream(stream, gate), _Stream([{"replica": "r1", "stream": "s1", "attached": True}])])
+        keys = []
+
+        def remote(requests, prefix_hashes=None, avoid_replica=None, stream_key=None):
+            keys.append(stream_key)
+            handle.batches.append([r[0] for r in requests])
+            return next(calls)
+
+        handle.__class__ = type("H", (_Handle,), {"generate_batch": property(
+            lambda self: SimpleNamespace(remote=remote))})
+        client = WorkerClient(handle)
+        first, second = Batch([a]), Batch([b])
+        a.batch, b.batch = first, second
+        first.task = asyncio.ensure_future(client.run_batch(first))
+        gate.put_nowait(1)
+        gate.put_nowait(1)  # the stream opens and a gets a token
+        while _peek(a) < 1:
+            await asyncio.sleep(0.001)
+        second.task = asyncio.ensure_future(client.run_batch(second))
+        await second.task  # the join answer ends the second call at once
+        assert b.batch is first and first.requests == [a, b] and b.replica == "r1"
+        for _ in range(2):
+            gate.put_nowait(1)
+        await first.task
+        assert keys[0] == keys[1] is not None  # both calls name this client's stream
+        assert _events(b) == [("t", 0, [9], "length", None), ("done", 1, 0)]
+        assert _events(a) == [("t", 0, [7], None, None), ("t", 0, [8], "length", None),
+                              ("done", 2, 0)]
+        assert client._live == {} and client._open == {}
+
+    asyncio.run(run())
+
+
+def _peek(r: EngineRequest) -> int:
+    return r.events.qsize()
