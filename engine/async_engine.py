@@ -185,8 +185,18 @@ class AsyncEngine:
         while self._rate and now - self._rate[0][0] > _RATE_WINDOW_S:
             self._rate.popleft()
         self._stats = self.engine.get_stats()
+        self._deliver_step(outputs)
+
+    def _deliver_step(self, outputs) -> None:
+        """A step's outputs: one thread-safe callback per event loop, not one per request (each
+        costs a wake-up of the loop), putting them on their streams in order."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
-            self._deliver(out.request_id, out)
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _deliver(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
@@ -196,3 +206,8 @@ class AsyncEngine:
     def _fail_all(self, err: BaseException) -> None:
         for rid in list(self._streams):
             self._deliver(rid, err)
+
+
+def _put_all(items: list) -> None:
+    for q, item in items:
+        q.put_nowait(item)
