@@ -33,6 +33,17 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
 
 
+def take_packed(param: torch.nn.Parameter, keep_plain: bool = False) -> torch.Tensor | None:
+    """The parameter's weight prepacked when this CPU supports it (else None); unless
+    ``keep_plain`` (a weight shared with the embedding), the plain copy is released."""
+    if not packing_supported(param):
+        return None
+    packed = pack(param)
+    if not keep_plain:
+        param.data = param.data.new_empty(0)
+    return packed
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] @ packed^T (+ bias) -> [M, N]."""
     if x.dim() != 2:

@@ -46,10 +46,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def pack_weights(self, tied: bool) -> None:
         """After loading: prepack for oneDNN on the CPU; a tied weight stays for the embedding."""
-        if self.packed is None and cpu_gemm.packing_supported(self.weight):
-            self.packed = cpu_gemm.pack(self.weight)
-            if not tied:
-                self.weight.data = self.weight.data.new_empty(0)
+        if self.packed is None:
+            self.packed = cpu_gemm.take_packed(self.weight, keep_plain=tied)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         if self.packed is not None:

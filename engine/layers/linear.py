@@ -41,9 +41,8 @@ class LinearBase(nn.Module):
 
     def pack_weights(self) -> None:
         """After loading: on CPUs that support it, keep the weight in oneDNN's layout only."""
-        if self.packed is None and cpu_gemm.packing_supported(self.weight):
-            self.packed = cpu_gemm.pack(self.weight)
-            self.weight.data = self.weight.data.new_empty(0)
+        if self.packed is None:
+            self.packed = cpu_gemm.take_packed(self.weight)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is not None:

@@ -10,21 +10,21 @@
  * A work item is a tile of up to ROWS query rows of one sequence and a range of its kv heads.
  * It walks the sequence's blocks straight from the block table (no gather, no padding to the
  * longest sequence), a chunk of at most CHUNK keys at a time; every key and value row it loads
- * serves all the tile's query heads of that kv head. Decode tiles (one row) take dot products
- * along D; prefill tiles (QVEC_MIN or more query vectors per kv head) run lane-wise across their
- * query vectors (attend_tile_qvec), which needs no horizontal sums. The next block is prefetched while one is
- * processed. Scores and the running softmax are float32 (online softmax, rescaled once per
+ * serves all the tile's query heads of that kv head. Decode rows (head size 64 or 128) take dot
+ * products along D, 16 keys reduced together (attend_row_dc); other tiles run lane-wise across
+ * their query vectors (attend_tile_qvec), which needs no horizontal sums; attend_item is the
+ * plain-C path for head sizes that are not a multiple of 16 and CPUs without AVX-512. The next
+ * block is prefetched while one is processed. Scores and the running softmax are float32 (online softmax, rescaled once per
  * chunk). Items are spread over OpenMP threads; the library is loaded after torch and uses the
  * libgomp torch has loaded, so both share one thread pool.
  *
  * Element types: 0 = float32, 1 = bfloat16 (query, caches and output share one type).
- * Built and loaded by kernels/cpu_attention.py.
+ * Built and loaded by kernels/cpu_kernels.py.
  */
 #include "cpu_common.h"
 
 #define ROWS 8    /* query rows per tile (prefill chunks) */
 #define CHUNK 32  /* keys per softmax update */
-#define QVEC_MIN 16 /* query vectors per kv head from which a tile goes lane-wise (prefill) */
 
 /* q . k over d < n (both float, q pre-scaled). */
 static inline float dot_f32(const float *restrict q, const float *restrict k, int n) {
@@ -66,7 +66,8 @@ static void prefetch_block(const char *p, size_t bytes) {
 }
 
 /* One item: rows row0..row0+nrows-1 (positions pos0.. consecutive) of sequence `seq`, kv heads
- * kvh0..kvh1-1. */
+ * kvh0..kvh1-1. The general path in plain C, for what the AVX-512 paths below do not take
+ * (head sizes not a multiple of 16, CPUs without AVX-512). */
 static void attend_item(const Item *it, Scratch *w, void *out, const void *query,
                         const char *k_cache, const char *v_cache, const int32_t *table,
                         int64_t pos0, int num_q_heads, int num_kv_heads, int head_size,
@@ -77,8 +78,6 @@ static void attend_item(const Item *it, Scratch *w, void *out, const void *query
     const int64_t token_stride = (int64_t)num_kv_heads * head_size;
     const int64_t block_stride = (int64_t)block_size * token_stride;
     const int D = head_size, R = it->nrows;
-    const int vec = D % 16 == 0; /* the AVX-512 loops take whole 16-lane chunks */
-    (void)vec;
     /* state index of (row r, query head h): r * Hq + h */
     for (int r = 0; r < R; r++) {
         const char *q_row = (const char *)query + (size_t)(it->row0 + r) * q_stride_t * esize;
@@ -125,20 +124,6 @@ static void attend_item(const Item *it, Scratch *w, void *out, const void *query
                         const size_t i = (size_t)r * num_q_heads + h;
                         const float *q = w->q + i * D;
                         float *s = w->s + i * CHUNK;
-#ifdef __AVX512F__
-                        if (vec) {
-                            __m512 q4[16];
-                            for (int c = 0; c < D / 16; c++) q4[c] = _mm512_loadu_ps(q + 16 * c);
-                            for (int t = 0; t < nv[r]; t++) {
-                                const float *k = w->kbuf + (size_t)t * D;
-                                __m512 dot = _mm512_mul_ps(q4[0], _mm512_loadu_ps(k));
-                                for (int c = 1; c < D / 16; c++)
-                                    dot = _mm512_fmadd_ps(q4[c], _mm512_loadu_ps(k + 16 * c), dot);
-                                s[t] = _mm512_reduce_add_ps(dot);
-                            }
-                            continue;
-                        }
-#endif
                         for (int t = 0; t < nv[r]; t++) s[t] = dot_f32(q, w->kbuf + (size_t)t * D, D);
                     }
                 }
@@ -168,18 +153,6 @@ static void attend_item(const Item *it, Scratch *w, void *out, const void *query
                         const size_t i = (size_t)r * num_q_heads + h;
                         const float *p = w->s + i * CHUNK;
                         float *a = w->acc + i * D;
-#ifdef __AVX512F__
-                        if (vec) {
-                            for (int c = 0; c < D / 16; c++) {
-                                __m512 acc = _mm512_loadu_ps(a + 16 * c);
-                                for (int t = 0; t < nv[r]; t++)
-                                    acc = _mm512_fmadd_ps(_mm512_set1_ps(p[t]),
-                                                          _mm512_loadu_ps(w->kbuf + (size_t)t * D + 16 * c), acc);
-                                _mm512_storeu_ps(a + 16 * c, acc);
-                            }
-                            continue;
-                        }
-#endif
                         for (int t = 0; t < nv[r]; t++)
                             for (int d = 0; d < D; d++) a[d] += p[t] * w->kbuf[(size_t)t * D + d];
                     }
@@ -414,7 +387,7 @@ static void attend_row_d128(const Item *it, Scratch *w, void *out, const void *q
 #endif
 
 #ifdef __AVX512F__
-/* The prefill path (a tile's R x GROUP query vectors of one kv head, at least 16): vectorised
+/* The prefill path (a tile's R x GROUP query vectors of one kv head): vectorised
  * across the query vectors rather than along D, so no horizontal sums. Scores of 16 query
  * vectors for one key are D FMAs of their transposed rows qt[d][j] with the key's element d
  * broadcast; the softmax runs lane-wise; values accumulate into acc_t[d][j] the same way. */
@@ -604,7 +577,7 @@ int paged_attention_cpu(
                     block_size, max_blocks, q_stride_t, out_stride_t, scale, dtype);
                 continue;
             }
-            if (head_size % 16 == 0 && it->nrows * (num_q_heads / num_kv_heads) >= QVEC_MIN) {
+            if (head_size % 16 == 0) {
                 attend_tile_qvec(it, &w, out, query, (const char *)k_cache, (const char *)v_cache,
                                  block_tables + (int64_t)b * max_blocks, pos0, num_q_heads,
                                  num_kv_heads, head_size, block_size, max_blocks, q_stride_t,

@@ -93,10 +93,13 @@ class _Stream:
 
 
 class _Handle:
-    def __init__(self, *scripts: list) -> None:
+    """Answers each ``generate_batch`` call with the next script (or ready-made stream)."""
+
+    def __init__(self, *scripts: list | _Stream) -> None:
         self.scripts = list(scripts)
         self.batches: list[list[str]] = []
         self.avoided: list[str | None] = []
+        self.stream_keys: list[str | None] = []
 
     def options(self, **_):
         return self
@@ -106,7 +109,9 @@ class _Handle:
         def remote(requests, prefix_hashes=None, avoid_replica=None, stream_key=None):
             self.batches.append([r[0] for r in requests])
             self.avoided.append(avoid_replica)
-            return _Stream(self.scripts.pop(0))
+            self.stream_keys.append(stream_key)
+            script = self.scripts.pop(0)
+            return script if isinstance(script, _Stream) else _Stream(script)
 
         return SimpleNamespace(remote=remote)
 
@@ -208,17 +213,8 @@ def test_a_batch_joins_the_open_stream_and_its_tokens_come_through_it():
                          [a.request_id, 0, [8], "length", None]],
                    "done": [[b.request_id, 1, 0]]},
                   {"done": [[a.request_id, 2, 0]]}]
-        handle = _Handle()
-        calls = iter([_GatedStream(stream, gate), _Stream([{"replica": "r1", "stream": "s1", "attached": True}])])
-        keys = []
-
-        def remote(requests, prefix_hashes=None, avoid_replica=None, stream_key=None):
-            keys.append(stream_key)
-            handle.batches.append([r[0] for r in requests])
-            return next(calls)
-
-        handle.__class__ = type("H", (_Handle,), {"generate_batch": property(
-            lambda self: SimpleNamespace(remote=remote))})
+        handle = _Handle(_GatedStream(stream, gate),
+                         [{"replica": "r1", "stream": "s1", "attached": True}])
         client = WorkerClient(handle)
         first, second = Batch([a]), Batch([b])
         a.batch, b.batch = first, second
@@ -233,6 +229,7 @@ def test_a_batch_joins_the_open_stream_and_its_tokens_come_through_it():
         for _ in range(2):
             gate.put_nowait(1)
         await first.task
+        keys = handle.stream_keys
         assert keys[0] == keys[1] is not None  # both calls name this client's stream
         assert _events(b) == [("t", 0, [9], "length", None), ("done", 1, 0)]
         assert _events(a) == [("t", 0, [7], None, None), ("t", 0, [8], "length", None),
