@@ -12,17 +12,17 @@ call:
   it waits for Serve to start one.
 
 Load of a replica = its last reported running + waiting requests (``record_routing_stats``,
-every ``routing_stats_period_s``, stamped with the replica's clock) plus the requests this
-handle routed to it after that stamp. Sent batches are forgotten once a report newer than them
-arrives (it counts them, or they are done); Serve's ``on_request_completed`` is not used
-because in Ray 2.60 it fires as soon as a *streaming* call's first message arrives. Ties go to
+every ``routing_stats_period_s``) plus the requests this handle sent it that the report had not
+received yet: the Worker reports how many requests it has received per ``stream_key`` (one per
+Router), and the handle counts what it sent per replica and key, so a report taken while a batch
+is still in transit never hides it (clocks play no part). Serve's ``on_request_completed`` is
+not used because in Ray 2.60 it fires as soon as a *streaming* call's first message arrives. Ties go to
 the replica with more free KV blocks. Prefix ownership is what this handle has
 sent where: chained hashes of ``prefix_chunk_tokens``-token prompt chunks, kept in an LRU.
 """
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from typing import Any
 
@@ -42,7 +42,7 @@ class WorkerRequestRouter(RequestRouter):
         self._min_match = prefix_min_match_tokens
         self._imbalance = imbalance_threshold
         self._owners: OrderedDict[int, set[str]] = OrderedDict()  # prefix hash -> replica ids
-        self._sent: dict[str, list[tuple[float, int]]] = {}  # replica -> [(sent at, requests)]
+        self._sent: dict[str, dict[str, int]] = {}  # replica -> stream_key -> requests sent
         registry.register(self._deployment_id.name, self)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -72,14 +72,12 @@ class WorkerRequestRouter(RequestRouter):
     # ---- load ------------------------------------------------------------------------------
 
     def load(self, replica: RunningReplica) -> int:
-        """Reported running + waiting, plus what was sent since that report."""
+        """Reported running + waiting, plus what was sent that the report had not received."""
         stats = replica.routing_stats or {}
-        since = stats.get("ts", 0.0)
-        sent = self._sent.get(replica.replica_id.unique_id)
-        if sent:
-            sent[:] = [(t, n) for t, n in sent if t > since]  # the report covers the rest
-        unreported = sum(n for _, n in sent) if sent else 0
-        return int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0)) + unreported
+        received = stats.get("received") or {}
+        sent = self._sent.get(replica.replica_id.unique_id, {})
+        in_transit = sum(max(0, n - received.get(key, 0)) for key, n in sent.items())
+        return int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0)) + in_transit
 
     def _load_key(self, replica: RunningReplica) -> tuple[int, float]:
         stats = replica.routing_stats or {}
@@ -144,7 +142,9 @@ class WorkerRequestRouter(RequestRouter):
         if "requests" not in kwargs:
             return  # a control call
         rid = replica_id.unique_id
-        self._sent.setdefault(rid, []).append((time.time(), len(kwargs["requests"])))
+        sent = self._sent.setdefault(rid, {})
+        key = kwargs.get("stream_key") or ""
+        sent[key] = sent.get(key, 0) + len(kwargs["requests"])
         if kwargs.get("prefix_hashes"):
             self._remember(kwargs["prefix_hashes"], rid)
 

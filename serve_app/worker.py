@@ -69,6 +69,7 @@ class Worker:
         self.metrics = WorkerMetrics.for_replica(self.engine, config)
         self._pumps: dict[str, asyncio.Task] = {}  # request id -> task streaming it
         self._streams: dict[str, _Stream] = {}  # stream_key -> that Router's open stream
+        self._received: dict[str, int] = {}  # stream_key -> requests received (routing stats)
         self.requests_total = 0
         self.aborted_total = 0  # requests stopped here by an abort control call
         self.batches_total = 0
@@ -87,6 +88,8 @@ class Worker:
         del prefix_hashes, avoid_replica
         self.batches_total += 1
         self.requests_total += len(requests)
+        key = stream_key or ""
+        self._received[key] = self._received.get(key, 0) + len(requests)
         stream = self._streams.get(stream_key) if stream_key is not None else None
         if stream is not None:  # join the Router's open stream on this replica
             self._attach(stream, requests, by_id=True)
@@ -182,7 +185,7 @@ class Worker:
         waiting = max(s["num_waiting"], len(self._pumps) - s["num_running"])
         return {"num_waiting": waiting, "num_running": s["num_running"],
                 "num_free_blocks": s["num_free_blocks"], "num_total_blocks": s["num_total_blocks"],
-                "ts": time.time()}
+                "received": dict(self._received)}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """The real load, for ``serve_app.autoscaling.QueueDepthPolicy``: one handle call carries

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 
 import httpx
 import openai
@@ -257,11 +258,13 @@ def test_overload_gets_429_and_accepted_requests_complete(url):
     assert all(r[1] == 16 for r in accepted)
 
 
-def test_client_disconnect_frees_kv_blocks(url):
-    def idle(workers):
-        return all(w["num_free_blocks"] == w["num_total_blocks"] and w["num_running"] == 0
-                   for w in workers)
+def _idle(workers) -> bool:
+    return all(w["num_free_blocks"] == w["num_total_blocks"] and w["num_running"] == 0
+               for w in workers)
 
+
+def test_client_disconnect_frees_kv_blocks(url):
+    idle = _idle
     wait_until(lambda: idle(_stats(url)["workers"]), 30, "workers idle")
     body = {"prompt": PROMPTS[0] * 8, "max_tokens": 200, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=url, timeout=60) as client:
@@ -277,6 +280,10 @@ def test_prefix_affinity_follows_the_cached_prompt(url):
     """Two long prompts land on different replicas (the first is still running when the
     second arrives); follow-ups sharing either prefix go where that prefix is cached."""
     p1, p2 = list(range(10, 170)), list(range(200, 360))
+    # Start from idle Workers whose routing reports say so: a report from the previous test
+    # (a busy replica) lives up to a stats period (0.5 s) in the Router's request router.
+    wait_until(lambda: _idle(_stats(url)["workers"]), 30, "workers idle")
+    time.sleep(1.5)
     hits_before = _stats(url)["total"]["prefix_cache_hits"]
     with httpx.Client(base_url=url, timeout=60) as client:
         body = {"prompt": p1, "max_tokens": 80, "ignore_eos": True, "stream": True}

@@ -4,7 +4,6 @@ response streams, and the Serve config file against Ray's own schema."""
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -210,7 +209,7 @@ def _replica(uid: str, running: int = 0, waiting: int = 0, free: int = 100):
     return SimpleNamespace(
         replica_id=ReplicaID(uid, DeploymentID(name="WorkerTest", app_name="t")),
         routing_stats={"num_running": running, "num_waiting": waiting, "num_free_blocks": free,
-                       "num_total_blocks": 100, "ts": 0.0},
+                       "num_total_blocks": 100},
         max_ongoing_requests=100)
 
 
@@ -236,13 +235,19 @@ def test_control_call_goes_to_the_named_replica():
     assert _choose(router, [a, b], _pending(request_ids=["r"], target_replica="b")) == ["b"]
 
 
-def test_sent_batches_count_until_a_newer_report():
+def test_sent_batches_count_until_a_report_has_received_them():
     router = _router()
     a, b = _replica("a"), _replica("b", running=1)
-    router.on_request_routed(_pending(requests=[1, 2, 3]), a.replica_id, None)
+    router.on_request_routed(_pending(requests=[1, 2, 3], stream_key="k"), a.replica_id, None)
     assert router.load(a) == 3
     assert _choose(router, [a, b], _pending(requests=[1])) == ["b", "a"]
-    a.routing_stats.update(ts=time.time() + 1, num_running=0)  # a report after the batch
+    # a report taken while the batch was in transit (after it was sent, without it) counts it
+    a.routing_stats.update(received={"k": 0})
+    assert router.load(a) == 3
+    # another Router's requests at the replica do not cover ours
+    a.routing_stats.update(received={"other": 3, "k": 1}, num_running=1)
+    assert router.load(a) == 1 + 2
+    a.routing_stats.update(received={"k": 3}, num_running=0)  # received, and done
     assert router.load(a) == 0
     assert _choose(router, [a, b], _pending(requests=[1])) == ["a", "b"]
 
@@ -252,8 +257,9 @@ def test_prefix_affinity_unless_much_busier():
     a, b = _replica("a"), _replica("b")
     prompt = list(range(40))
     hashes = [prefix_hashes(prompt, 4)]
-    router.on_request_routed(_pending(requests=[1], prefix_hashes=hashes), b.replica_id, None)
-    b.routing_stats["ts"] = time.time() + 1
+    router.on_request_routed(_pending(requests=[1], prefix_hashes=hashes, stream_key="k"),
+                             b.replica_id, None)
+    b.routing_stats["received"] = {"k": 1}
     a.routing_stats["num_running"] = 1  # b would win on load alone anyway: make a lighter
     b.routing_stats["num_running"] = 3
     assert _choose(router, [a, b], _pending(requests=[1], prefix_hashes=hashes))[0] == "b"

@@ -170,8 +170,7 @@ def test_a_retried_batch_never_goes_back_to_the_dead_replica():
     def replica(uid: str, running: int):
         return SimpleNamespace(replica_id=ReplicaID(uid, dep), max_ongoing_requests=100,
                                routing_stats={"num_running": running, "num_waiting": 0,
-                                              "num_free_blocks": 10, "num_total_blocks": 10,
-                                              "ts": 0.0})
+                                              "num_free_blocks": 10, "num_total_blocks": 10})
 
     def choose(replicas, **kwargs):
         pending = SimpleNamespace(args=[], kwargs=kwargs, routing_context=SimpleNamespace())
