@@ -52,6 +52,8 @@ class Result:
     output_tokens: int = 0
     ttft: float = 0.0
     e2e: float = 0.0
+    index: int = 0
+    sent_at: float = 0.0  # seconds after the run's start
     itl: list[float] = field(default_factory=list)
 
 
@@ -161,7 +163,9 @@ async def run(args: argparse.Namespace) -> dict:
         async def one(i: int) -> Result:
             async with limit:
                 path, body = request_body(args, model, prompts[i], out_lens[i])
+                sent_at = time.perf_counter() - start
                 res = await send(session, base + path, body, in_lens[i])
+            res.index, res.sent_at = i, sent_at
             bar.update(1)
             return res
 
@@ -178,7 +182,10 @@ async def run(args: argparse.Namespace) -> dict:
             t.cancel()
         elapsed = time.perf_counter() - start
         bar.close()
-    results = [t.result() for t in done]
+    results = sorted((t.result() for t in done), key=lambda r: r.index)
+    if args.save_details:
+        with open(args.save_details, "w") as f:
+            json.dump([{k: v for k, v in vars(r).items() if k != "itl"} for r in results], f)
     return summarize(args, model, results, len(pending), elapsed)
 
 
@@ -210,6 +217,10 @@ def summarize(args: argparse.Namespace, model: str, results: list[Result], cance
         "request_throughput": len(ok) / elapsed, "output_throughput": out_tokens / elapsed,
     }
     summary.update(_dist("ttft_ms", [r.ttft for r in ok]))
+    # the first max_concurrency requests arrive together (a burst the server has to queue);
+    # the rest each arrive as one finishes: the steady state
+    steady = [r.ttft for r in ok if r.index >= args.max_concurrency]
+    summary["ttft_ms_p50_steady"] = _dist("t", steady)["t_p50"]
     summary.update(_dist("tpot_ms", tpot))
     summary.update(_dist("itl_ms", [g for r in ok for g in r.itl]))
     summary.update(_dist("e2el_ms", [r.e2e for r in ok]))
@@ -241,6 +252,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--label", default="", help="free text copied into the JSON line")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    p.add_argument("--save-details", metavar="PATH",
+                   help="write every request's index, send time, TTFT, latency and tokens (JSON)")
     args = p.parse_args(argv)
     if args.num_prompts < 1 or args.max_concurrency < 1 or args.duration <= 0:
         p.error("--num-prompts, --max-concurrency and --duration must be positive")
