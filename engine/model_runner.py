@@ -30,6 +30,7 @@ from engine.models.hf_config import HFConfig
 from engine.models.registry import model_class
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
+from kernels import cpu_gemm
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
@@ -80,7 +81,16 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         load_weights(model, model_path, progress=progress)
         model.pack_weights()
+        self._warm_up_packed(model)
         return model.eval()
+
+    def _warm_up_packed(self, model: torch.nn.Module) -> None:
+        """Prepacked CPU matmuls: build oneDNN's kernels for the row counts of decode steps
+        (up to 256 rows: cheap products); a larger bucket's is built when a step first uses it."""
+        packed = [(m.packed, getattr(m, "bias", None))
+                  for m in model.modules() if getattr(m, "packed", None) is not None]
+        if packed:
+            cpu_gemm.warm_up(packed, min(256, self.config.scheduler.max_num_batched_tokens))
 
     def kv_bytes_per_block(self) -> int:
         attn = self.attn_layers[0]

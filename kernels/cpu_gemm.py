@@ -5,6 +5,11 @@ blocked layout on every call; for the small M of decode steps that reorder costs
 product (a [64, 896] x [896, 9728] product: 3.5 ms plain, 2.9 ms prepacked; at M=1, 0.6 vs 0.2 ms).
 The prepacked product gives the same bits as ``F.linear``. Used for bfloat16 weights on CPUs with
 AVX512-BF16 or AMX; everything else keeps ``F.linear``. ``PAGEDSERVE_CPU_PACKED_GEMM=0`` turns it off.
+
+oneDNN builds (JIT-compiles) a kernel for every new row count M, 0.3-0.5 ms each; a serving
+engine meets a new M in most steps (decodes plus prompt chunks of any length), and oneDNN keeps
+1024 kernels at most. So rows are padded up to a bucket (a multiple of 8 up to 256, of 64 above:
+at most 7 or 63 extra rows), and ``warm_up`` builds the small buckets' kernels at start-up.
 """
 
 from __future__ import annotations
@@ -44,8 +49,41 @@ def take_packed(param: torch.nn.Parameter, keep_plain: bool = False) -> torch.Te
     return packed
 
 
+def padded_rows(m: int) -> int:
+    """The bucket an M of ``m`` rows runs in."""
+    step = 8 if m <= 256 else 64
+    return -(-m // step) * step
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ packed^T (+ bias) -> [M, N]."""
+    """x [M, K] @ packed^T (+ bias) -> [M, N] (computed on M padded up to its bucket)."""
     if x.dim() != 2:
         return packed_linear(x.reshape(-1, x.shape[-1]), packed, bias).view(*x.shape[:-1], -1)
+    m = x.shape[0]
+    mp = padded_rows(m)
+    if mp != m:  # rows are independent: the padding rows' products are dropped
+        xp = x.new_empty((mp, x.shape[1]))
+        xp[:m] = x
+        xp[m:] = 0
+        return torch.ops.mkldnn._linear_pointwise(xp, packed, bias, "none", [], "")[:m]
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def warm_up(packed: list[tuple[torch.Tensor, torch.Tensor | None]], max_rows: int) -> int:
+    """Build oneDNN's kernel of every row bucket up to ``max_rows`` for each distinct
+    ``(packed weight [N, K], bias)`` shape; returns how many products ran."""
+    seen: set[tuple] = set()
+    runs = 0
+    for weight, bias in packed:
+        k = weight.shape[1]
+        key = (tuple(weight.shape), bias is not None)
+        if key in seen:
+            continue
+        seen.add(key)
+        m = 8
+        while m <= padded_rows(max_rows):
+            x = torch.zeros(m, k, dtype=torch.bfloat16)
+            torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+            runs += 1
+            m += 8 if m < 256 else 64
+    return runs

@@ -192,3 +192,19 @@ def test_packed_linear_gives_the_bits_of_f_linear(rows):
     packed = cpu_gemm.pack(weight)
     assert torch.equal(cpu_gemm.packed_linear(x, packed, bias), F.linear(x, weight, bias))
     assert torch.equal(cpu_gemm.packed_linear(x, packed, None), F.linear(x, weight))
+
+
+def test_packed_rows_run_in_few_buckets():
+    # oneDNN builds a kernel per row count: any M from 1 to 2048 runs in one of 60
+    assert [cpu_gemm.padded_rows(m) for m in (1, 8, 9, 256, 257, 300, 2048)] == \
+        [8, 8, 16, 256, 320, 320, 2048]
+    assert len({cpu_gemm.padded_rows(m) for m in range(1, 2049)}) == 32 + 28
+
+
+@pytest.mark.skipif(not cpu_gemm.packing_supported(torch.empty(2, 2, dtype=torch.bfloat16)),
+                    reason="no oneDNN bfloat16 support on this CPU")
+def test_warm_up_runs_each_weight_shape_once_per_bucket():
+    a, b, c = (cpu_gemm.pack(torch.randn(n, 32).bfloat16()) for n in (48, 48, 80))
+    bias = torch.zeros(48).bfloat16()
+    # a and b share a shape; with a bias it is another kernel
+    assert cpu_gemm.warm_up([(a, None), (b, None), (c, None), (a, bias)], 100) == 3 * 13
