@@ -98,7 +98,8 @@ class LLMEngine:
             raise
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len,
+                                   on_cpu=self.device.type == "cpu")
         self.groups: dict[str, _Group] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0

@@ -6,6 +6,11 @@ Running requests are served first, in arrival order; when the cache runs out of 
 recently admitted running request is preempted (its blocks freed; it is recomputed later). Then
 waiting requests are admitted in order, their prefix-cache hits counted as computed. A prompt
 longer than the budget is simply computed over several steps (chunked prefill).
+
+With ``separate_prefill_steps`` (the default on CPUs), a step that follows a mixed step skips the
+running requests' decode tokens whenever prompt tokens wait: a new request's first token then
+costs a step of prompt tokens only, not a step of prompt and decode tokens. Decodes still run
+every other step at least, and a step that could start no prompt decodes instead.
 """
 
 from __future__ import annotations
@@ -32,9 +37,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 on_cpu: bool = False) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        separate = config.separate_prefill_steps
+        self.separate_prefill_steps = on_cpu if separate is None else separate
+        self._last_prefill_only = False
         self.max_model_len = max_model_len
         self.kv = kv
         self.waiting: deque[Request] = deque()
@@ -61,16 +70,29 @@ class Scheduler:
     # ----------------------------------------------------------------- the step
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self._extend_running(out, self.max_num_batched_tokens)
+        prefill_only = (self.separate_prefill_steps and not self._last_prefill_only
+                        and self._has_prefill_work())
+        budget = self._extend_running(out, self.max_num_batched_tokens, prefill_only)
         if not out.preempted:
             self._admit_waiting(out, budget)
+        if prefill_only and not out.scheduled and not out.preempted:
+            prefill_only = False  # no prompt could start (no free slot or block): decode now
+            self._extend_running(out, self.max_num_batched_tokens, False)
+        self._last_prefill_only = prefill_only
         return out
 
-    def _extend_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _has_prefill_work(self) -> bool:
+        return bool(self.waiting) or any(r.num_tokens - r.num_computed_tokens > 1
+                                         for r in self.running)
+
+    def _extend_running(self, out: SchedulerOutput, budget: int, prefill_only: bool) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if prefill_only and n <= 1:  # a decode: it runs in the next step
+                i += 1
+                continue
             while not self.kv.allocate_slots(req, req.num_computed_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim, out)

@@ -9,10 +9,12 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 
 
-def make(num_blocks=16, block_size=4, budget=16, max_seqs=8, prefix=False) -> Scheduler:
+def make(num_blocks=16, block_size=4, budget=16, max_seqs=8, prefix=False,
+         separate=None, on_cpu=False) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, prefix)
-    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget), kv,
-                     max_model_len=1024)
+    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                             separate_prefill_steps=separate)
+    return Scheduler(config, kv, max_model_len=1024, on_cpu=on_cpu)
 
 
 def req(rid, n, max_tokens=8, start=0):
@@ -104,3 +106,40 @@ def test_parallel_sampling_waits_for_the_parent_prompt_then_shares_it():
     assert scheduled == [("p#0", 1), ("p#1", 2)]  # the child recomputes the last partial block
     assert child.block_ids[:2] == parent.block_ids[:2] == [0, 1]
     assert s.kv.blocks[0].ref_cnt == 2
+
+
+def test_separate_prefill_steps_put_new_prompts_before_decodes():
+    s = make(budget=8, on_cpu=True)  # the CPU default
+    a, b = req("a", 3), req("b", 3)
+    s.add(a)
+    s.add(b)
+    assert step(s)[0] == [("a", 3), ("b", 3)]  # prompts only: nothing decodes yet
+    assert step(s)[0] == [("a", 1), ("b", 1)]  # no prompt waits: decode steps
+    c, d = req("c", 10), req("d", 2)
+    s.add(c)
+    s.add(d)
+    assert step(s)[0] == [("c", 8)]  # a and b wait one step: c's prompt alone
+    assert step(s)[0] == [("a", 1), ("b", 1), ("c", 2), ("d", 2)]  # then a mixed step
+    assert step(s)[0] == [("a", 1), ("b", 1), ("c", 1), ("d", 1)]
+    assert [r.num_output_tokens for r in (a, b, c, d)] == [4, 4, 2, 2]
+
+
+def test_separate_prefill_steps_decode_when_no_prompt_can_start():
+    s = make(budget=8, max_seqs=2, separate=True)
+    a, b, c = req("a", 2), req("b", 2), req("c", 2)
+    for r in (a, b, c):
+        s.add(r)
+    assert step(s)[0] == [("a", 2), ("b", 2)]
+    # c waits for a free slot: never an empty step, the running requests decode every step
+    for _ in range(3):
+        assert step(s)[0] == [("a", 1), ("b", 1)]
+    assert [r.request_id for r in s.waiting] == ["c"]
+
+
+def test_mixed_steps_when_separate_prefill_steps_is_off():
+    for s in (make(budget=8), make(budget=8, on_cpu=True, separate=False)):
+        a = req("a", 2)
+        s.add(a)
+        step(s)
+        s.add(req("b", 3))
+        assert step(s)[0] == [("a", 1), ("b", 3)]
