@@ -61,7 +61,13 @@ class Batch:
 
 
 class DynamicBatcher:
-    """Collects requests into batches; ``send_batch`` runs each batch in its own task."""
+    """Collects requests into batches; ``send_batch`` runs each batch in its own task.
+
+    A request that arrives while no batch is on its way to a Worker (sent, not yet routed) goes
+    at once, alone: waiting would only add latency. Requests that arrive while one is on its
+    way wait for it, and go together when it is routed, when ``max_batch_size`` of them wait,
+    or ``batch_wait_s`` after the oldest arrived, whichever comes first.
+    """
 
     def __init__(self, send_batch: Callable[[Batch], Awaitable[None]], max_batch_size: int,
                  batch_wait_s: float) -> None:
@@ -70,11 +76,14 @@ class DynamicBatcher:
         self.batch_wait_s = batch_wait_s
         self._waiting: list[EngineRequest] = []
         self._timer: asyncio.TimerHandle | None = None
+        self._unrouted = 0  # batches sent whose Worker has not answered yet
+        self._watches: set[asyncio.Task] = set()
         self.batch_sizes: dict[int, int] = {}  # batch size -> how many batches were sent
 
     def submit(self, request: EngineRequest) -> None:
         self._waiting.append(request)
-        if len(self._waiting) >= self.max_batch_size or self.batch_wait_s <= 0:
+        if (len(self._waiting) >= self.max_batch_size or self.batch_wait_s <= 0
+                or not self._unrouted):
             self.flush()
         elif self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(self.batch_wait_s, self.flush)
@@ -90,7 +99,24 @@ class DynamicBatcher:
             for r in requests:
                 r.batch = batch
             self.batch_sizes[len(requests)] = self.batch_sizes.get(len(requests), 0) + 1
-            batch.task = asyncio.get_running_loop().create_task(self._send_batch(batch))
+            loop = asyncio.get_running_loop()
+            batch.task = loop.create_task(self._send_batch(batch))
+            self._unrouted += 1
+            watch = loop.create_task(self._on_routed(batch))
+            self._watches.add(watch)
+            watch.add_done_callback(self._watches.discard)
+
+    async def _on_routed(self, batch: Batch) -> None:
+        """The batch reached a Worker (or failed, or was cancelled): send what waited for it."""
+        routed = asyncio.ensure_future(batch.requests[0].routed.wait())
+        assert batch.task is not None
+        try:
+            await asyncio.wait([routed, batch.task], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            routed.cancel()
+            self._unrouted -= 1
+            if not self._unrouted and self._waiting:
+                self.flush()
 
     def discard(self, request: EngineRequest) -> bool:
         """Drop a request that is still waiting here; True if it was."""
@@ -128,13 +154,19 @@ async def fan_out(batch: Batch, messages: AsyncIterator[dict[str, Any]],
                 on_routed(batch.requests)
             continue
         now = time.monotonic()
+        later = []  # first tokens are handed out first: their handlers run (and write) first
         for key, index, token_ids, finish, logprobs in msg.get("t", ()):
             r = find(key)
             if r is None:
                 continue
+            event = (r, ("t", index, token_ids, finish, logprobs))
             if r.first_output_at is None:
                 r.first_output_at = now
-            r.events.put_nowait((r, ("t", index, token_ids, finish, logprobs)))
+                r.events.put_nowait(event)
+            else:
+                later.append(event)
+        for event in later:
+            event[0].events.put_nowait(event)
         for kind, parts in (("done", msg.get("done", ())), ("err", msg.get("err", ()))):
             for key, a, b in parts:
                 r = find(key)
