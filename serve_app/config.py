@@ -79,6 +79,12 @@ class AppConfig(BaseModel):
         1.0, gt=0.0, description="CPUs a Worker replica (each rank on GPU) reserves from Ray."
     )
     router_num_cpus: float = Field(0.5, ge=0.0, description="CPUs a Router replica reserves.")
+    serve_fast_path: bool = Field(
+        True, description="Ray Serve's lighter request path for the Router and Worker replicas: "
+        "their code runs on the replica's main event loop (no hop to a second thread), request "
+        "logs are buffered, and the Router streams from Workers over Serve's gRPC transport "
+        "rather than Ray actor calls. False keeps Serve's defaults."
+    )
     router_max_ongoing_requests: int = Field(
         4096, ge=1, description="Serve's cap on concurrent HTTP requests per Router replica "
         "(streams included); beyond it Serve's proxy queues them. Keep it above "

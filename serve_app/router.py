@@ -57,7 +57,7 @@ class Router:
         self.cfg = config
         key = config.resolved_api_key()
         self._api_key_digest = None if key is None else hashlib.sha256(key.encode()).digest()
-        self.workers = WorkerClient(worker)
+        self.workers = WorkerClient(worker, grpc=config.serve_fast_path)
         self.metrics = RouterMetrics.for_replica(config)
         self.batcher = DynamicBatcher(self.metrics.count_batches(self.workers.run_batch),
                                       config.max_batch_size, config.batch_wait_ms / 1000.0)

@@ -49,9 +49,12 @@ def fresh_call(call: Callable[[], T]) -> T:
 
 
 class WorkerClient:
-    def __init__(self, handle: DeploymentHandle, deployment: str = "Worker") -> None:
+    def __init__(self, handle: DeploymentHandle, deployment: str = "Worker",
+                 grpc: bool = False) -> None:
         self._handle = handle
-        self._stream = handle.options(stream=True)
+        # grpc: batches stream over the Worker replica's gRPC server (Serve's by-value path)
+        # instead of Ray actor calls whose every message is an object in Ray's object store
+        self._stream = handle.options(stream=True, _by_reference=not grpc)
         self._deployment = deployment
         self._background: set[asyncio.Task] = set()
         self._stream_key = uuid.uuid4().hex  # names this client's shared streams

@@ -288,3 +288,14 @@ def test_named_policy_bounds_match_the_bundled_policy(case):
     bounds = (autoscaling["minReplicas"], autoscaling["maxReplicas"])
     assert bounds == (bundled["min_replicas"], bundled["max_replicas"]), (
         f"{case}: autoscaling.minReplicas/maxReplicas {bounds} differ from {path.name}")
+
+
+@pytest.mark.parametrize("ingress, env", [
+    ("haproxy", {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}),
+    ("proxy", {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_PROXY_USE_GRPC": "1"}),
+])
+def test_ingress_mode_reaches_every_ray_container(ingress, env):
+    rs = render({"ingress": ingress})["RayService"]
+    for group in (head(rs), gpu_group(rs)):
+        assert {e["name"]: e["value"] for e in container(group)["env"]} == env
+    assert render(None)["RayService"] == render({"ingress": "haproxy"})["RayService"]

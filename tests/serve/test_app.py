@@ -104,6 +104,18 @@ def test_health_models_and_request_ids(url, model_path):
     assert len(err.headers.get_list("x-request-id")) == 1
 
 
+def test_http_arrives_through_haproxy(url):
+    # importing serve_app before Ray starts chose Serve's high-throughput ingress: HAProxy on
+    # Serve's port, forwarding to the Router replicas' own HTTP servers (Serve keeps a Python
+    # proxy on a side port only as HAProxy's fallback)
+    import ray
+
+    classes = {ray.get_actor(a["name"], namespace=a["namespace"])
+               ._ray_actor_creation_function_descriptor.class_name
+               for a in ray.util.list_named_actors(all_namespaces=True)}
+    assert "HAProxyManager" in classes
+
+
 # ---- results equal the offline engine's ------------------------------------------------------
 
 def test_completions_match_offline_llm(url, model_path, offline):

@@ -14,7 +14,8 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Repl
 from ray.serve.schema import ServeDeploySchema
 
 from engine.sampling_params import SamplingParams
-from serve_app.app import build_app, worker_options
+from serve_app import use_fast_ingress
+from serve_app.app import FAST_PATH_ENV, build_app, worker_options
 from serve_app.batcher import Batch, DynamicBatcher, EngineRequest, fan_out
 from serve_app.config import AppConfig
 from serve_app.errors import APIError
@@ -58,13 +59,31 @@ def test_builder_accepts_cli_args():
 
 def test_worker_resources():
     cpu = worker_options(AppConfig(accelerator="cpu", worker_num_cpus=2))
-    assert cpu["ray_actor_options"] == {"num_cpus": 2.0}
+    assert cpu["ray_actor_options"] == {"num_cpus": 2.0,
+                                        "runtime_env": {"env_vars": FAST_PATH_ENV}}
+    plain = worker_options(AppConfig(accelerator="cpu", serve_fast_path=False))
+    assert plain["ray_actor_options"] == {"num_cpus": 1.0}
     assert "placement_group_bundles" not in cpu
     gpu = worker_options(AppConfig(accelerator="gpu", tensor_parallel_size=2))
     assert gpu["ray_actor_options"]["num_gpus"] == 1
     assert gpu["placement_group_bundles"] == [{"CPU": 1.0, "GPU": 1}] * 2
     assert gpu["placement_group_strategy"] == "STRICT_PACK"
     assert AppConfig(accelerator="cpu", worker_num_cpus=3).worker_threads() == 3
+
+
+@pytest.mark.parametrize("given, expected", [
+    ({}, {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+          "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2", "RAY_SERVE_PROXY_USE_GRPC": "1"}),
+    # a choice of the user's wins, and keeps Serve's proxy whole (no direct ingress beside it)
+    ({"RAY_SERVE_ENABLE_HA_PROXY": "0"},
+     {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_PROXY_USE_GRPC": "1"}),
+    ({"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0", "RAY_SERVE_PROXY_USE_GRPC": "0"},
+     {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0", "RAY_SERVE_PROXY_USE_GRPC": "0"}),
+])
+def test_fast_ingress_defaults(given, expected):
+    env = dict(given)
+    use_fast_ingress(env)
+    assert env == expected
 
 
 def test_serve_config_file_matches_rays_schema():
@@ -74,6 +93,9 @@ def test_serve_config_file_matches_rays_schema():
     assert app.import_path == "serve_app:build_app"
     AppConfig.model_validate(app.args)
     call_user_app_builder_with_args_if_necessary(build_app, app.args)
+    env = schema.controller_options.runtime_env["env_vars"]  # Serve's processes inherit it
+    assert env == {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+                   "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
 
 
 # ---- protocol --------------------------------------------------------------------------------

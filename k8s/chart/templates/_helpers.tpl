@@ -117,6 +117,20 @@ affinity:
 {{- end }}
 {{- end -}}
 
+{{/*
+Ray Serve's ingress settings, read by every Ray process on the pod when it starts (values.ingress).
+*/}}
+{{- define "pagedserve.ingressEnv" -}}
+env:
+{{- if eq .Values.ingress "haproxy" }}
+  - {name: RAY_SERVE_ENABLE_HA_PROXY, value: "1"}
+  - {name: RAY_SERVE_THROUGHPUT_OPTIMIZED, value: "1"}
+{{- else }}
+  - {name: RAY_SERVE_ENABLE_HA_PROXY, value: "0"}
+  - {name: RAY_SERVE_PROXY_USE_GRPC, value: "1"}
+{{- end }}
+{{- end -}}
+
 {{- define "pagedserve.apiKeyMount" -}}
 {{- if .Values.apiKey.enabled }}
 - {name: api-key, mountPath: {{ include "pagedserve.apiKeyMountPath" . }}, readOnly: true}
