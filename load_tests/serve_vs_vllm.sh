@@ -2,7 +2,7 @@
 # Side by side: this app and `vllm serve` (vLLM's CPU build in its own venv, never a project
 # dependency) on the same model and the same load, measured with the same client
 # (load_tests/serving_benchmark.py). Loopback only. Usage:
-#   VLLM_PY=/tmp/vllm-venv/bin/python [ROUNDS=3] load_tests/serve_vs_vllm.sh [MODEL_DIR] [NUM_PROMPTS] [CONCURRENCY]
+#   VLLM_PY=/tmp/vllm-venv/bin/python [ROUNDS=3] [RATE=40] load_tests/serve_vs_vllm.sh [MODEL_DIR] [NUM_PROMPTS] [CONCURRENCY]
 # MODEL_DIR defaults to the default model. Each server gets a short warm-up load, then ROUNDS
 # (default 1) measured runs; one JSON line per run (pagedserve with its default ingress,
 # pagedserve through Serve's Python proxy, vLLM).
@@ -15,8 +15,9 @@ C=${3:-64}
 VLLM_PY=${VLLM_PY:-/tmp/vllm-venv/bin/python}
 VLLM_CLI=${VLLM_CLI:-../shared/peer/vllm_cli.py}
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
-LOAD=(--num-prompts "$N" --max-concurrency "$C" --input-len 128 --output-len 64 --range-ratio 0.5
-      --prompt-mode tokens --vocab-size 700 --seed 0 --no-progress)
+RATE=${RATE:-inf}  # requests/s (Poisson arrivals); inf = as fast as CONCURRENCY allows
+LOAD=(--num-prompts "$N" --max-concurrency "$C" --request-rate "$RATE" --input-len 128
+      --output-len 64 --range-ratio 0.5 --prompt-mode tokens --vocab-size 700 --seed 0 --no-progress)
 
 ROUNDS=${ROUNDS:-1}
 

@@ -41,8 +41,9 @@ class AppConfig(BaseModel):
         "wait. 1 (with batch_wait_ms=0) dispatches one handle call per request."
     )
     batch_wait_ms: float = Field(
-        2.0, ge=0.0, le=1000.0, description="Longest time the oldest waiting request is held "
-        "before its batch is sent, in milliseconds."
+        2.0, ge=0.0, le=1000.0, description="Longest time, in milliseconds, the oldest waiting "
+        "request is held before its batch is sent. Requests wait only while an earlier batch is "
+        "on its way to a Worker; one arriving when none is goes at once."
     )
     max_waiting_requests: int = Field(
         1024, ge=1, description="Bound on a Router replica's waiting queue: requests accepted but "
