@@ -45,6 +45,12 @@ static inline void load_row(float *restrict dst, const void *p, int n, int dtype
     }
 }
 
+/* n consecutive tokens' rows (D values each, token_stride_bytes apart) as floats: dst[t * D + d] */
+static inline void load_tokens(float *restrict dst, const char *p, int n, size_t token_stride_bytes,
+                               int D, int dtype) {
+    for (int t = 0; t < n; t++) load_row(dst + (size_t)t * D, p + (size_t)t * token_stride_bytes, D, dtype);
+}
+
 static inline void store_row(void *p, const float *restrict src, int n, int dtype) {
     if (dtype == 1) {
         uint16_t *o = (uint16_t *)p;

@@ -115,9 +115,7 @@ static void attend_item(const Item *it, Scratch *w, void *out, const void *query
             for (int kvh = it->kvh0; kvh < it->kvh1; kvh++) {
                 const int h0 = kvh * group;
                 /* the chunk's keys of this kv head as floats: kbuf[t * D + d] */
-                for (int t = 0; t < n; t++)
-                    load_row(w->kbuf + (size_t)t * D,
-                             kb + ((size_t)t * token_stride + (size_t)kvh * D) * esize, D, dtype);
+                load_tokens(w->kbuf, kb + (size_t)kvh * D * esize, n, token_stride * esize, D, dtype);
                 /* scores s[(r * Hq + h) * CHUNK + t] */
                 for (int r = 0; r < R; r++) {
                     for (int h = h0; h < h0 + group; h++) {
@@ -145,9 +143,7 @@ static void attend_item(const Item *it, Scratch *w, void *out, const void *query
                     }
                 }
                 /* acc += p V, the chunk's values as floats first */
-                for (int t = 0; t < n; t++)
-                    load_row(w->kbuf + (size_t)t * D,
-                             vb + ((size_t)t * token_stride + (size_t)kvh * D) * esize, D, dtype);
+                load_tokens(w->kbuf, vb + (size_t)kvh * D * esize, n, token_stride * esize, D, dtype);
                 for (int r = 0; r < R; r++) {
                     for (int h = h0; h < h0 + group; h++) {
                         const size_t i = (size_t)r * num_q_heads + h;
@@ -248,7 +244,7 @@ static inline __attribute__((always_inline)) void attend_row_dc(
                 direct = dtype == 1;
 #endif
                 if (!direct)
-                    for (int t = 0; t < n; t++) load_row(w->kbuf + (size_t)t * D, kb + (size_t)t * token_stride * es, D, dtype);
+                    load_tokens(w->kbuf, kb, n, token_stride * es, D, dtype);
                 for (int h = kvh * group; h < (kvh + 1) * group; h++) {
                     __m512 dv[16];
                     if (direct) {
@@ -333,7 +329,7 @@ static inline __attribute__((always_inline)) void attend_row_dc(
                     continue;
                 }
 #endif
-                for (int t = 0; t < n; t++) load_row(w->kbuf + (size_t)t * D, vb + (size_t)t * token_stride * es, D, dtype);
+                load_tokens(w->kbuf, vb, n, token_stride * es, D, dtype);
                 for (int hb = kvh * group; hb < (kvh + 1) * group; hb += HG) {
                     const int nh = (kvh + 1) * group - hb < HG ? (kvh + 1) * group - hb : HG;
                     __m512 a[16];
@@ -430,7 +426,7 @@ static void attend_tile_qvec(const Item *it, Scratch *w, void *out, const void *
                 const char *kb = k_cache + ((size_t)blk * block_stride + (size_t)c0 * token_stride + (size_t)kvh * D) * esize;
                 const char *vb = v_cache + ((size_t)blk * block_stride + (size_t)c0 * token_stride + (size_t)kvh * D) * esize;
                 float *kbuf = w->kbuf; /* [n][D] */
-                for (int t = 0; t < n; t++) load_row(kbuf + (size_t)t * D, kb + (size_t)t * token_stride * esize, D, dtype);
+                load_tokens(kbuf, kb, n, token_stride * esize, D, dtype);
                 for (int g = 0; g < ngroups; g++) {
                     const float *qg = qt + 16 * g;
                     const __m512 pg = _mm512_loadu_ps(pos + 16 * g);
@@ -475,7 +471,7 @@ static void attend_tile_qvec(const Item *it, Scratch *w, void *out, const void *
                     _mm512_storeu_ps(l + 16 * g, _mm512_fmadd_ps(_mm512_loadu_ps(l + 16 * g), corr, sum));
                     _mm512_storeu_ps(m + 16 * g, _mm512_mask_mov_ps(mold, seen, mx));
                     /* acc_t[d] = acc_t[d] * corr + sum_t p[t] v[t][d] */
-                    for (int t2 = 0; t2 < n; t2++) load_row(kbuf + (size_t)t2 * D, vb + (size_t)t2 * token_stride * esize, D, dtype);
+                    load_tokens(kbuf, vb, n, token_stride * esize, D, dtype);
                     for (int d = 0; d < D; d += 4) { /* D % 16 == 0: four independent chains */
                         float *ad = acc + (size_t)d * nqp + 16 * g;
                         __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(ad), corr);
