@@ -64,7 +64,7 @@ class DynamicBatcher:
     """Collects requests into batches; ``send_batch`` runs each batch in its own task.
 
     A request that arrives while no batch is on its way to a Worker (sent, not yet routed) goes
-    at once, alone: waiting would only add latency. Requests that arrive while one is on its
+    at once, with the other prompts of its HTTP request: waiting would only add latency. Requests that arrive while one is on its
     way wait for it, and go together when it is routed, when ``max_batch_size`` of them wait,
     or ``batch_wait_s`` after the oldest arrived, whichever comes first.
     """
@@ -80,8 +80,9 @@ class DynamicBatcher:
         self._watches: set[asyncio.Task] = set()
         self.batch_sizes: dict[int, int] = {}  # batch size -> how many batches were sent
 
-    def submit(self, request: EngineRequest) -> None:
-        self._waiting.append(request)
+    def submit(self, *requests: EngineRequest) -> None:
+        """Queue the prompts of one HTTP request: they go in the same batch when they fit."""
+        self._waiting.extend(requests)
         if (len(self._waiting) >= self.max_batch_size or self.batch_wait_s <= 0
                 or not self._unrouted):
             self.flush()

@@ -153,9 +153,8 @@ class Router:
         events: asyncio.Queue = asyncio.Queue()  # shared by this HTTP request's prompts
         engine_reqs = [EngineRequest(ids, sp, p.prefix_hashes(ids), events=events)
                        for ids, sp in zip(prompts, params, strict=True)]
-        for r in engine_reqs:
-            self._active.add(r)
-            self.batcher.submit(r)
+        self._active.update(engine_reqs)
+        self.batcher.submit(*engine_reqs)
         stream = ResponseStream(engine_reqs, p.tokenizer, req.stop_list(),
                                 req.include_stop_str_in_output, req.skip_special_tokens,
                                 num_logprobs, self.workers.release)

@@ -182,6 +182,11 @@ def test_batcher_flushes_when_idle_on_size_on_time_and_when_routed():
         per_request.submit(_req())
         await asyncio.sleep(0)
         assert sizes() == [1, 3, 1, 2, 1, 1]
+        route(3)
+        await asyncio.sleep(0.001)  # nothing on its way now
+        b.submit(*[_req() for _ in range(5)])  # one HTTP request's prompts: not one alone first
+        await asyncio.sleep(0)
+        assert sizes() == [1, 3, 1, 2, 1, 1, 3, 2]
         for task in asyncio.all_tasks() - {asyncio.current_task()}:
             task.cancel()
 
