@@ -28,3 +28,28 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# Ray's core worker and gRPC keep native threads running in this process after
+# ``ray.shutdown()`` (``worker.io``, ``gcs_client_io_s``, gRPC event engines) that still run
+# while the interpreter finalizes. A CI run died with SIGSEGV there, after every test had passed
+# and the summary was printed. The verdict is final by then, so a session that used Ray leaves
+# without finalizing the interpreter, with pytest's own exit status.
+_exit_status: int | None = None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    global _exit_status
+    _exit_status = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    import sys
+
+    if _exit_status is None or "ray" not in sys.modules:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_exit_status)
