@@ -297,5 +297,6 @@ def test_named_policy_bounds_match_the_bundled_policy(case):
 def test_ingress_mode_reaches_every_ray_container(ingress, env):
     rs = render({"ingress": ingress})["RayService"]
     for group in (head(rs), gpu_group(rs)):
-        assert {e["name"]: e["value"] for e in container(group)["env"]} == env
+        assert {e["name"]: e["value"] for e in container(group)["env"]} == {
+            **env, "RAY_worker_niceness": "0"}
     assert render(None)["RayService"] == render({"ingress": "haproxy"})["RayService"]

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -114,6 +116,44 @@ def test_http_arrives_through_haproxy(url):
                ._ray_actor_creation_function_descriptor.class_name
                for a in ray.util.list_named_actors(all_namespaces=True)}
     assert "HAProxyManager" in classes
+    # serve_app's other start-up defaults reached the processes: HAProxy's thread count
+    # follows the CPUs (``use_fast_ingress``), and the replicas and HAProxy run at niceness 0
+    # rather than Ray's 15 for its workers (``serve_at_normal_priority``)
+    port = url.rsplit(":", 1)[1]
+    ours = [p for p in _processes() if "ServeReplica:main:" in p[1]
+            or ("haproxy" in p[1] and _haproxy_port(p[1]) == port)]
+    names = {cmd.split()[0] if "haproxy" not in cmd else "haproxy" for _, cmd in ours}
+    assert names == {"haproxy", "ray::ServeReplica:main:Router", "ray::ServeReplica:main:Worker"}
+    assert {pid: os.getpriority(os.PRIO_PROCESS, pid) for pid, _ in ours} == \
+        {pid: 0 for pid, _ in ours}
+    for _, cmd in ours:
+        if "haproxy" in cmd:
+            assert f"nbthread {os.environ['RAY_SERVE_HAPROXY_NBTHREAD']}\n" in _haproxy_config(cmd)
+
+
+def _processes() -> list[tuple[int, str]]:
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        except (OSError, ValueError):
+            continue
+        if d.name.isdigit() and cmd:
+            out.append((int(d.name), cmd))
+    return out
+
+
+def _haproxy_config(cmd: str) -> str:
+    args = cmd.split()
+    return Path(args[args.index("-f") + 1]).read_text() if "-f" in args else ""
+
+
+def _haproxy_port(cmd: str) -> str | None:
+    for line in _haproxy_config(cmd).splitlines():
+        parts = line.split()
+        if parts[:1] == ["bind"] and parts[1].startswith("127.0.0.1:"):
+            return parts[1].rsplit(":", 1)[1]
+    return None
 
 
 # ---- results equal the offline engine's ------------------------------------------------------

@@ -14,7 +14,7 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Repl
 from ray.serve.schema import ServeDeploySchema
 
 from engine.sampling_params import SamplingParams
-from serve_app import use_fast_ingress
+from serve_app import serve_at_normal_priority, use_fast_ingress
 from serve_app.app import FAST_PATH_ENV, build_app, worker_options
 from serve_app.batcher import Batch, DynamicBatcher, EngineRequest, fan_out
 from serve_app.config import AppConfig
@@ -73,17 +73,38 @@ def test_worker_resources():
 
 @pytest.mark.parametrize("given, expected", [
     ({}, {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-          "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2", "RAY_SERVE_PROXY_USE_GRPC": "1"}),
+          "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2", "RAY_SERVE_PROXY_USE_GRPC": "1",
+          "RAY_SERVE_HAPROXY_NBTHREAD": "2"}),
     # a choice of the user's wins, and keeps Serve's proxy whole (no direct ingress beside it)
     ({"RAY_SERVE_ENABLE_HA_PROXY": "0"},
-     {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_PROXY_USE_GRPC": "1"}),
-    ({"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0", "RAY_SERVE_PROXY_USE_GRPC": "0"},
-     {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0", "RAY_SERVE_PROXY_USE_GRPC": "0"}),
+     {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_PROXY_USE_GRPC": "1",
+      "RAY_SERVE_HAPROXY_NBTHREAD": "2"}),
+    ({"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0", "RAY_SERVE_PROXY_USE_GRPC": "0",
+      "RAY_SERVE_HAPROXY_NBTHREAD": "8"},
+     {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0", "RAY_SERVE_PROXY_USE_GRPC": "0",
+      "RAY_SERVE_HAPROXY_NBTHREAD": "8"}),
 ])
 def test_fast_ingress_defaults(given, expected):
     env = dict(given)
-    use_fast_ingress(env)
+    use_fast_ingress(env, cpus=8)
     assert env == expected
+
+
+@pytest.mark.parametrize("cpus, threads", [(1, "1"), (2, "1"), (7, "1"), (8, "2"), (16, "4"),
+                                           (96, "4")])
+def test_haproxy_threads_follow_the_cpus(cpus, threads):
+    env: dict[str, str] = {}
+    use_fast_ingress(env, cpus=cpus)
+    assert env["RAY_SERVE_HAPROXY_NBTHREAD"] == threads
+
+
+def test_replicas_run_at_normal_priority_unless_told():
+    env: dict[str, str] = {}
+    serve_at_normal_priority(env)
+    assert env == {"RAY_worker_niceness": "0"}
+    env = {"RAY_worker_niceness": "10"}
+    serve_at_normal_priority(env)
+    assert env == {"RAY_worker_niceness": "10"}
 
 
 def test_serve_config_file_matches_rays_schema():

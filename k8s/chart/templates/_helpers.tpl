@@ -118,10 +118,13 @@ affinity:
 {{- end -}}
 
 {{/*
-Ray Serve's ingress settings, read by every Ray process on the pod when it starts (values.ingress).
+Settings every Ray process on the pod reads when it starts: Ray Serve's ingress (values.ingress),
+and the raylet's niceness for the worker processes it starts (Ray's default, 15, lets any other
+process on the node preempt the engine's matmul threads; serve_app.serve_at_normal_priority).
 */}}
-{{- define "pagedserve.ingressEnv" -}}
+{{- define "pagedserve.rayEnv" -}}
 env:
+  - {name: RAY_worker_niceness, value: "0"}
 {{- if eq .Values.ingress "haproxy" }}
   - {name: RAY_SERVE_ENABLE_HA_PROXY, value: "1"}
   - {name: RAY_SERVE_THROUGHPUT_OPTIMIZED, value: "1"}
