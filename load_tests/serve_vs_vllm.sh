@@ -2,7 +2,7 @@
 # Side by side: this app and `vllm serve` (vLLM's CPU build in its own venv, never a project
 # dependency) on the same model and the same load, measured with the same client
 # (load_tests/serving_benchmark.py). Loopback only. Usage:
-#   VLLM_PY=/tmp/vllm-venv/bin/python [ROUNDS=3] [RATE=40] [PROXY=1] [APP_ARGS="k=v ..."] \
+#   VLLM_PY=/tmp/vllm-venv/bin/python [ROUNDS=3] [RATE=40] [PROXY=1] [APP_ARGS="k=v ..."] [PLOT=f.png] \
 #     load_tests/serve_vs_vllm.sh [MODEL_DIR] [NUM_PROMPTS] [CONCURRENCY]
 # MODEL_DIR defaults to the default model. Both servers run at once (each idles at ~1% of a
 # core while the other is measured); after a warm-up of each, ROUNDS rounds alternate between
@@ -10,7 +10,8 @@
 # line per run, then a summary line: medians, and the medians of the per-round ratios
 # (pagedserve / vLLM). PROXY=1 adds ROUNDS runs of this app through Serve's Python proxy
 # (RAY_SERVE_ENABLE_HA_PROXY=0) after vLLM has stopped. APP_ARGS go to build_app (e.g.
-# "max_batch_size=1 batch_wait_ms=0" for one handle call per request).
+# "max_batch_size=1 batch_wait_ms=0" for one handle call per request). PLOT=file.png draws each
+# run's tokens/s and p50 TTFT by server (load_tests/plot_serving.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -88,7 +89,7 @@ fi
 $PY - "$OUT" <<'EOF'
 import json, statistics, sys
 
-runs = [json.loads(line) for line in open(sys.argv[1]) if line.startswith("{")]
+runs = [json.loads(line) for line in open(sys.argv[1]) if line.startswith('{"label"')]
 by = {}
 for r in runs:
     name, _, rnd = r["label"].rpartition(" round ")
@@ -104,4 +105,8 @@ if paired:
         out[f"ratio_{k}"] = statistics.median(ps[i][k] / vl[i][k] for i in paired)
 print(json.dumps(out))
 EOF
+if [ -n "${PLOT:-}" ]; then
+  $PY load_tests/plot_serving.py "$OUT" --out "$PLOT" \
+    --title "$N requests, $C concurrent streams, rate $RATE/s; each dot one run, bar: median" >&2
+fi
 rm -f "$OUT"

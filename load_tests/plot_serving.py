@@ -1,0 +1,79 @@
+"""Plot serving benchmark runs: output tokens/s and p50 TTFT of each run, by server.
+
+Reads the JSON lines of ``serving_benchmark.py`` (what ``serve_vs_vllm.sh`` prints; labels like
+``"pagedserve round 3"``, summary lines skipped) from files or standard input:
+
+    load_tests/serve_vs_vllm.sh "" 256 64 | tee runs.jsonl
+    .venv/bin/python load_tests/plot_serving.py runs.jsonl --out docs/serve_vs_vllm.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+
+def load_runs(lines) -> dict[str, list[dict]]:
+    """Runs grouped by server name (the label before " round N"), in order."""
+    by: dict[str, list[dict]] = {}
+    for line in lines:
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        run = json.loads(line)
+        if run.get("summary"):
+            continue
+        name = run.get("label", "run").rpartition(" round ")[0] or run.get("label", "run")
+        by.setdefault(name, []).append(run)
+    return by
+
+
+def plot(by: dict[str, list[dict]], out: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = [("output_throughput", "output tokens/s (higher is better)"),
+               ("ttft_ms_p50", "p50 time to first token, ms (lower is better)")]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(10, 4))
+    names = list(by)
+    for ax, (key, label) in zip(axes, metrics, strict=True):
+        for i, name in enumerate(names):
+            values = [r[key] for r in by[name]]
+            ax.scatter([i] * len(values), values, alpha=0.6, s=28)
+            median = statistics.median(values)
+            ax.hlines(median, i - 0.3, i + 0.3, colors="black")
+            ax.annotate(f"{median:.0f}", (i + 0.32, median), va="center", fontsize=8)
+        ax.set_xticks(range(len(names)), names, fontsize=8)
+        ax.set_xlim(-0.6, len(names) - 0.2)
+        ax.set_ylim(bottom=0)
+        ax.set_title(label, fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("files", nargs="*", help="JSON-lines files (default: standard input)")
+    p.add_argument("--out", type=Path, default=Path("serve_vs_vllm.png"))
+    p.add_argument("--title", default="Each dot one run (same load); bar: median")
+    args = p.parse_args(argv)
+    lines = [line for f in args.files for line in Path(f).read_text().splitlines()] \
+        if args.files else sys.stdin.read().splitlines()
+    by = load_runs(lines)
+    if not by:
+        raise SystemExit("no benchmark runs in the input")
+    plot(by, args.out, args.title)
+    print(json.dumps({"plot": str(args.out), "runs": {k: len(v) for k, v in by.items()}}))
+
+
+if __name__ == "__main__":
+    main()
