@@ -43,7 +43,8 @@ def serve_at_normal_priority(environ: Any = os.environ) -> None:
     niceness 15, so that its own daemons stay responsive. The engine is the latency-critical
     process of an inference service: at niceness 15 any ordinary process on the host (an agent,
     a log shipper, a client) preempts its matmul threads, and one preempted thread of a parallel
-    matmul stalls the whole step (docs/ARCHITECTURE.md, "Ingress", has the measurement). It is the raylet's setting, so it applies to clusters this process starts (`serve run`);
+    matmul stalls the whole step (docs/ARCHITECTURE.md, "CPU priority", has the measurement).
+    It is the raylet's setting, so it applies to clusters this process starts (`serve run`);
     clusters started with `ray start` take RAY_worker_niceness from that command's environment
     (the Helm chart sets it). A value already set wins.
     """

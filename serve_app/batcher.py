@@ -55,6 +55,20 @@ class Batch:
     attempt: int = 0  # 1 when these requests are retried after their Worker died
     stream_id: str | None = None  # the Worker stream this batch's call opened
     avoid_replica: str | None = None  # the replica that died: the retry goes elsewhere
+    on_routed: Callable[[], None] | None = None  # the batcher's, called once: routed or over
+
+    def mark_routed(self, replica: str | None) -> None:
+        """The Worker answered (``replica``; None when the call failed before it did)."""
+        for r in self.requests:
+            if replica is not None:
+                r.replica = replica
+            r.routed.set()
+        self.routed_or_over()
+
+    def routed_or_over(self) -> None:
+        hook, self.on_routed = self.on_routed, None
+        if hook is not None:
+            hook()
 
     def all_released(self) -> bool:
         return all(r.released or r.finished for r in self.requests)
@@ -64,8 +78,9 @@ class DynamicBatcher:
     """Collects requests into batches; ``send_batch`` runs each batch in its own task.
 
     A request that arrives while no batch is on its way to a Worker (sent, not yet routed) goes
-    at once, with the other prompts of its HTTP request: waiting would only add latency. Requests that arrive while one is on its
-    way wait for it, and go together when it is routed, when ``max_batch_size`` of them wait,
+    at once, with the other prompts of its HTTP request: waiting would only add latency.
+    Requests that arrive while one is on its way wait for it, and go together when it is routed
+    (``Batch.mark_routed``) or its call ends, when ``max_batch_size`` of them wait,
     or ``batch_wait_s`` after the oldest arrived, whichever comes first.
     """
 
@@ -77,7 +92,6 @@ class DynamicBatcher:
         self._waiting: list[EngineRequest] = []
         self._timer: asyncio.TimerHandle | None = None
         self._unrouted = 0  # batches sent whose Worker has not answered yet
-        self._watches: set[asyncio.Task] = set()
         self.batch_sizes: dict[int, int] = {}  # batch size -> how many batches were sent
 
     def submit(self, *requests: EngineRequest) -> None:
@@ -96,28 +110,19 @@ class DynamicBatcher:
         while self._waiting:
             requests = self._waiting[: self.max_batch_size]
             del self._waiting[: self.max_batch_size]
-            batch = Batch(requests)
+            batch = Batch(requests, on_routed=self._on_routed)
             for r in requests:
                 r.batch = batch
             self.batch_sizes[len(requests)] = self.batch_sizes.get(len(requests), 0) + 1
-            loop = asyncio.get_running_loop()
-            batch.task = loop.create_task(self._send_batch(batch))
             self._unrouted += 1
-            watch = loop.create_task(self._on_routed(batch))
-            self._watches.add(watch)
-            watch.add_done_callback(self._watches.discard)
+            batch.task = asyncio.get_running_loop().create_task(self._send_batch(batch))
+            batch.task.add_done_callback(lambda _, b=batch: b.routed_or_over())
 
-    async def _on_routed(self, batch: Batch) -> None:
-        """The batch reached a Worker (or failed, or was cancelled): send what waited for it."""
-        routed = asyncio.ensure_future(batch.requests[0].routed.wait())
-        assert batch.task is not None
-        try:
-            await asyncio.wait([routed, batch.task], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            routed.cancel()
-            self._unrouted -= 1
-            if not self._unrouted and self._waiting:
-                self.flush()
+    def _on_routed(self) -> None:
+        """A batch reached a Worker (or its call ended first): send what waited for it."""
+        self._unrouted -= 1
+        if not self._unrouted and self._waiting:
+            self.flush()
 
     def discard(self, request: EngineRequest) -> bool:
         """Drop a request that is still waiting here; True if it was."""
@@ -135,8 +140,9 @@ async def fan_out(batch: Batch, messages: AsyncIterator[dict[str, Any]],
     Parts name their request by position in the batch, or by request id, looked up in
     ``live`` (a stream shared by several batches; finished requests leave ``live``).
     ``on_routed`` sees the batch once its replica is known and it streams (to abort requests
-    already gone). Returns the replica when the batch joined an open stream there (its call then ends at once
-    and the stream's own ``fan_out`` carries the requests), else None when the stream ended.
+    already gone). Returns the stream's id when the batch joined an open stream there (its call
+    then ends at once and the stream's own ``fan_out`` carries the requests), else None when the
+    stream ended.
     """
     def find(key: int | str) -> EngineRequest | None:
         if isinstance(key, int):
@@ -145,9 +151,7 @@ async def fan_out(batch: Batch, messages: AsyncIterator[dict[str, Any]],
 
     async for msg in messages:
         if "replica" in msg:
-            for r in batch.requests:
-                r.replica = msg["replica"]
-                r.routed.set()
+            batch.mark_routed(msg["replica"])
             if msg.get("attached"):
                 return msg.get("stream")
             batch.stream_id = msg.get("stream")
@@ -182,8 +186,8 @@ async def fan_out(batch: Batch, messages: AsyncIterator[dict[str, Any]],
 
 def fail_unfinished(batch: Batch, status: int, message: str) -> None:
     """End every request of a batch the Worker will not finish (its call failed)."""
+    batch.mark_routed(None)
     for r in batch.requests:
-        r.routed.set()
         if not r.finished:
             r.finished = True
             r.events.put_nowait((r, ("err", status, message)))

@@ -16,8 +16,8 @@ every ``routing_stats_period_s``) plus the requests this handle sent it that the
 received yet: the Worker reports how many requests it has received per ``stream_key`` (one per
 Router), and the handle counts what it sent per replica and key, so a report taken while a batch
 is still in transit never hides it (clocks play no part). Serve's ``on_request_completed`` is
-not used because in Ray 2.60 it fires as soon as a *streaming* call's first message arrives. Ties go to
-the replica with more free KV blocks. Prefix ownership is what this handle has
+not used because in Ray 2.60 it fires as soon as a *streaming* call's first message arrives.
+Ties go to the replica with more free KV blocks. Prefix ownership is what this handle has
 sent where: chained hashes of ``prefix_chunk_tokens``-token prompt chunks, kept in an LRU.
 """
 

@@ -96,6 +96,7 @@ class WorkerClient:
                 await self._retry(batch, retry)
         finally:
             self._close(batch)
+            batch.routed_or_over()  # a retried batch's call ends here, not with its task
 
     def _close(self, batch: Batch) -> None:
         """The batch's call is over: it no longer takes joins; its finished requests leave."""
@@ -139,7 +140,8 @@ class WorkerClient:
         """Run ``requests`` again in this task (so a client leaving still cancels them)."""
         logger.info("retrying %d requests of a batch whose Worker died", len(requests))
         again = Batch(requests, task=failed.task, attempt=failed.attempt + 1,
-                      avoid_replica=requests[0].replica)
+                      avoid_replica=requests[0].replica, on_routed=failed.on_routed)
+        failed.on_routed = None  # the retry's answer is the one the batcher waits for
         for r in requests:
             r.batch, r.replica = again, None  # no abort to the dead replica
         await self.run_batch(again)

@@ -164,18 +164,17 @@ def _req(n_tokens: int = 4) -> EngineRequest:
 
 def test_batcher_flushes_when_idle_on_size_on_time_and_when_routed():
     async def run():
-        sent: list[list[EngineRequest]] = []
+        sent: list[Batch] = []
 
         async def send(batch: Batch) -> None:  # a Worker that answers when the test says so
-            sent.append(batch.requests)
+            sent.append(batch)
             await asyncio.sleep(3600)
 
         def sizes() -> list[int]:
-            return [len(b) for b in sent]
+            return [len(b.requests) for b in sent]
 
         def route(i: int) -> None:
-            for r in sent[i]:
-                r.routed.set()
+            sent[i].mark_routed("replica-a")
 
         b = DynamicBatcher(send, max_batch_size=3, batch_wait_s=0.05)
         b.submit(_req())
