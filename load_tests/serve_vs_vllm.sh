@@ -11,7 +11,8 @@
 # (pagedserve / vLLM). PROXY=1 adds ROUNDS runs of this app through Serve's Python proxy
 # (RAY_SERVE_ENABLE_HA_PROXY=0) after vLLM has stopped. APP_ARGS go to build_app (e.g.
 # "max_batch_size=1 batch_wait_ms=0" for one handle call per request). PLOT=file.png draws each
-# run's tokens/s and p50 TTFT by server (load_tests/plot_serving.py).
+# run's tokens/s and p50 TTFT by server (load_tests/compare_runs.py, which also prints the
+# summary).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -86,27 +87,6 @@ if [ "${PROXY:-0}" = 1 ]; then  # the same app through Serve's Python proxy
   stop_app
 fi
 
-$PY - "$OUT" <<'EOF'
-import json, statistics, sys
-
-runs = [json.loads(line) for line in open(sys.argv[1]) if line.startswith('{"label"')]
-by = {}
-for r in runs:
-    name, _, rnd = r["label"].rpartition(" round ")
-    by.setdefault(name, {})[int(rnd)] = r
-keys = ("output_throughput", "ttft_ms_p50", "ttft_ms_p50_steady", "tpot_ms_p50")
-out = {"summary": True, "rounds": len(by.get("pagedserve", {}))}
-for name, rounds in by.items():
-    out[name] = {k: statistics.median(r[k] for r in rounds.values()) for k in keys}
-ps, vl = by.get("pagedserve", {}), by.get("vllm", {})
-paired = sorted(set(ps) & set(vl))
-if paired:
-    for k in keys:
-        out[f"ratio_{k}"] = statistics.median(ps[i][k] / vl[i][k] for i in paired)
-print(json.dumps(out))
-EOF
-if [ -n "${PLOT:-}" ]; then
-  $PY load_tests/plot_serving.py "$OUT" --out "$PLOT" \
-    --title "$N requests, $C concurrent streams, rate $RATE/s; each dot one run, bar: median" >&2
-fi
+$PY load_tests/compare_runs.py "$OUT" ${PLOT:+--plot "$PLOT"} \
+  --title "$N requests, $C concurrent streams, rate $RATE/s; each dot one run, bar: median"
 rm -f "$OUT"

@@ -1,4 +1,4 @@
-"""The plotting helper of the serving benchmarks (load_tests/plot_serving.py)."""
+"""The comparison helper of the serving benchmarks (load_tests/compare_runs.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "load_tests"))
 
-import plot_serving  # noqa: E402
+import compare_runs  # noqa: E402
 
 
 def _run(label: str, tok_s: float, ttft: float) -> str:
@@ -21,12 +21,25 @@ def test_runs_group_by_server_and_skip_summaries(tmp_path):
              "not json", json.dumps({"summary": True, "rounds": 2}),
              _run("vllm round 2", 2600.0, 65.0), _run("pagedserve round 2", 3100.0, 45.0),
              _run("solo", 10.0, 1.0)]
-    by = plot_serving.load_runs(lines)
+    by = compare_runs.load_runs(lines)
     assert {k: [r["output_throughput"] for r in v] for k, v in by.items()} == {
         "pagedserve": [3000.0, 3100.0], "vllm": [2500.0, 2600.0], "solo": [10.0]}
 
     src = tmp_path / "runs.jsonl"
     src.write_text("\n".join(lines))
     out = tmp_path / "plot.png"
-    plot_serving.main([str(src), "--out", str(out)])
+    compare_runs.main([str(src), "--plot", str(out)])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_summary_pairs_rounds():
+    lines = [_run("pagedserve round 1", 3000.0, 50.0), _run("vllm round 1", 2500.0, 100.0),
+             _run("vllm round 2", 2000.0, 40.0), _run("pagedserve round 2", 3000.0, 60.0),
+             _run("pagedserve round 3", 1000.0, 10.0)]  # no vLLM round 3: no ratio from it
+    s = compare_runs.summarize(compare_runs.load_runs(lines))
+    assert s["rounds"] == 3
+    assert s["pagedserve"] == {"output_throughput": 3000.0, "ttft_ms_p50": 50.0}
+    assert s["vllm"] == {"output_throughput": 2250.0, "ttft_ms_p50": 70.0}
+    assert s["ratio_output_throughput"] == (3000 / 2500 + 3000 / 2000) / 2
+    assert s["ratio_ttft_ms_p50"] == (0.5 + 1.5) / 2
+    assert "ratio_tpot_ms_p50" not in s

@@ -1,10 +1,12 @@
-"""Plot serving benchmark runs: output tokens/s and p50 TTFT of each run, by server.
+"""Compare serving benchmark runs by server: a summary JSON line and, optionally, a plot.
 
 Reads the JSON lines of ``serving_benchmark.py`` (what ``serve_vs_vllm.sh`` prints; labels like
-``"pagedserve round 3"``, summary lines skipped) from files or standard input:
+``"pagedserve round 3"``, other lines skipped) from files or standard input. The summary holds
+each server's medians and, for pagedserve against vLLM, the medians of the per-round ratios;
+``--plot`` draws each run's output tokens/s and p50 TTFT by server:
 
     load_tests/serve_vs_vllm.sh "" 256 64 | tee runs.jsonl
-    .venv/bin/python load_tests/plot_serving.py runs.jsonl --out docs/serve_vs_vllm.png
+    .venv/bin/python load_tests/compare_runs.py runs.jsonl --plot docs/serve_vs_vllm.png
 """
 
 from __future__ import annotations
@@ -15,20 +17,39 @@ import statistics
 import sys
 from pathlib import Path
 
+KEYS = ("output_throughput", "ttft_ms_p50", "ttft_ms_p50_steady", "tpot_ms_p50")
+
 
 def load_runs(lines) -> dict[str, list[dict]]:
     """Runs grouped by server name (the label before " round N"), in order."""
     by: dict[str, list[dict]] = {}
     for line in lines:
         line = line.strip()
-        if not line.startswith("{"):
+        if not line.startswith('{"label"'):
             continue
         run = json.loads(line)
-        if run.get("summary"):
-            continue
-        name = run.get("label", "run").rpartition(" round ")[0] or run.get("label", "run")
-        by.setdefault(name, []).append(run)
+        label = run["label"]
+        by.setdefault(label.rpartition(" round ")[0] or label, []).append(run)
     return by
+
+
+def summarize(by: dict[str, list[dict]], ours: str = "pagedserve", peer: str = "vllm") -> dict:
+    """Each server's medians; ``ratio_<key>``: median over rounds run by both of ours / peer."""
+    out: dict = {"summary": True, "rounds": len(by.get(ours, []))}
+    for name, runs in by.items():
+        out[name] = {k: statistics.median(r[k] for r in runs) for k in KEYS if k in runs[0]}
+    rounds = {name: {_round(r): r for r in by.get(name, [])} for name in (ours, peer)}
+    paired = sorted(set(rounds[ours]) & set(rounds[peer]))
+    for k in KEYS:
+        if paired and k in rounds[ours][paired[0]]:
+            out[f"ratio_{k}"] = statistics.median(rounds[ours][i][k] / rounds[peer][i][k]
+                                                  for i in paired)
+    return out
+
+
+def _round(run: dict) -> int:
+    tail = run["label"].rpartition(" round ")[2]
+    return int(tail) if tail.isdigit() else 0
 
 
 def plot(by: dict[str, list[dict]], out: Path, title: str) -> None:
@@ -63,7 +84,7 @@ def plot(by: dict[str, list[dict]], out: Path, title: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("files", nargs="*", help="JSON-lines files (default: standard input)")
-    p.add_argument("--out", type=Path, default=Path("serve_vs_vllm.png"))
+    p.add_argument("--plot", type=Path, help="draw the runs into this PNG")
     p.add_argument("--title", default="Each dot one run (same load); bar: median")
     args = p.parse_args(argv)
     lines = [line for f in args.files for line in Path(f).read_text().splitlines()] \
@@ -71,8 +92,9 @@ def main(argv: list[str] | None = None) -> None:
     by = load_runs(lines)
     if not by:
         raise SystemExit("no benchmark runs in the input")
-    plot(by, args.out, args.title)
-    print(json.dumps({"plot": str(args.out), "runs": {k: len(v) for k, v in by.items()}}))
+    if args.plot is not None:
+        plot(by, args.plot, args.title)
+    print(json.dumps(summarize(by)))
 
 
 if __name__ == "__main__":
