@@ -240,3 +240,23 @@ def test_a_batch_joins_the_open_stream_and_its_tokens_come_through_it():
 
 def _peek(r: EngineRequest) -> int:
     return r.events.qsize()
+
+
+def test_the_batcher_hears_once_when_a_retried_batch_is_routed():
+    # the batcher holds new requests while a batch is on its way: a batch whose Worker died
+    # before answering is on its way until its retry is routed, and is reported once
+    async def run():
+        heard: list[tuple] = []  # (replica, events already out) when the batcher hears
+        handle = _Handle([ActorDiedError()],
+                         [{"replica": "r2"}, {"t": [[0, 0, [9], "length", None]]},
+                          {"done": [[0, 2, 0]]}])
+        a = EngineRequest([1, 2], SamplingParams(max_tokens=1))
+        batch = Batch([a], on_routed=lambda: heard.append((a.replica, a.events.qsize())))
+        a.batch = batch
+        await WorkerClient(handle).run_batch(batch)
+        batch.routed_or_over()  # the call's end (the batcher's task callback) adds nothing
+        return heard, a
+
+    heard, a = asyncio.run(run())
+    assert heard == [("r2", 0)]  # at the retry's answer, before its tokens
+    assert _events(a) == [("t", 0, [9], "length", None), ("done", 2, 0)]
