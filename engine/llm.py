@@ -48,14 +48,17 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        for p, sp in zip(prompts, params):  # validate everything before queueing anything
-            sp.validate()
-            self.engine.process_prompt(p)
-        ids = []
-        for p, sp in zip(prompts, params):
-            ids.append(f"offline-{self._counter}")
-            self._counter += 1
-            self.engine.add_request(ids[-1], p, _final(sp))
+        # every prompt and its params are checked before anything is queued
+        checked = [self.engine.check_request(p, sp) for p, sp in zip(prompts, params)]
+        ids = [f"offline-{self._counter + i}" for i in range(len(prompts))]
+        self._counter += len(prompts)
+        try:
+            for rid, p, sp, c in zip(ids, prompts, params, checked):
+                self.engine.add_request(rid, p, _final(sp), checked=c)
+        except BaseException:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
         return self._run(ids, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -9,6 +9,7 @@ them. With N = 1 there is no process group and no other process.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import time
 import weakref
@@ -22,19 +23,21 @@ from engine.config import EngineConfig
 from engine.detokenizer import TextStream
 from engine.distributed import check_tp_sizes, tp_size
 from engine.kv_cache_manager import KVCacheManager
+from engine.layers.sampler import SamplerOutput
 from engine.loader import resolve_dtype
 from engine.model_runner import ModelRunner
 from engine.models.hf_config import HFConfig
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request, RequestStatus, group_metrics
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.tokenizer import check_vocab, eos_token_ids, load_tokenizer
 
 if TYPE_CHECKING:
     from engine.tp_ranks import RankGroup, RankLauncher
 
 PromptType = str | Sequence[int] | dict
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,6 +60,14 @@ class _Group:
 
 class TensorParallelError(RuntimeError):
     """A tensor-parallel rank failed or a step broke off half-way: the engine cannot step."""
+
+
+class _StepFailed(Exception):
+    """The model step failed for a reason that leaves the engine able to step again."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(repr(error))
+        self.error = error
 
 
 class LLMEngine:
@@ -177,16 +188,28 @@ class LLMEngine:
                              f"{self.max_model_len - 1} tokens")
         return text, ids
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
-        if request_id in self.groups:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+    def check_request(self, prompt: PromptType, params: SamplingParams,
+                      ) -> tuple[str | None, list[int]]:
+        """Every check ``add_request`` makes, queueing nothing: ``ValueError`` naming the
+        problem, else the prompt's text and token ids."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got "
+                             f"{type(params).__name__}")
         params.validate()
         outside = [t for t in params.stop_token_ids if t >= self.hf.vocab_size]
         if outside:  # they index the logits: one bad id would fail the whole step
             raise ValueError(f"stop_token_ids must be in [0, {self.hf.vocab_size - 1}], "
                              f"got {outside[:5]}")
-        text, ids = self.process_prompt(prompt)
+        return self.process_prompt(prompt)
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    arrival_time: float | None = None,
+                    checked: tuple[str | None, list[int]] | None = None) -> None:
+        """Queue a request; ``checked`` is ``check_request``'s answer for the same prompt and
+        params, when the caller already has it."""
+        if request_id in self.groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = checked if checked is not None else self.check_request(prompt, params)
         seqs = [Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, params,
                         self.eos_token_ids, index=i, group_id=request_id,
                         arrival_time=arrival_time) for i in range(params.n)]
@@ -232,13 +255,9 @@ class LLMEngine:
         if self.failed is not None:
             raise TensorParallelError(f"a tensor-parallel step failed: {self.failed!r}")
         try:
-            reqs, sampled = self.runner.execute(sched)
-        except BaseException as e:
-            if self.runner.tp_broken:  # the ranks are out of step: no further step can run
-                self.failed = e
-                if isinstance(e, Exception):  # Ctrl-C stays a KeyboardInterrupt
-                    raise TensorParallelError(f"a tensor-parallel step failed: {e!r}") from e
-            raise
+            reqs, sampled = self._execute(sched)
+        except _StepFailed as failed:  # some requests' parts failed: the others go on
+            sched, reqs, sampled = self._isolate(sched, failed.error)
         self.scheduler.finish_step(sched)
         self.num_steps += 1
         self.num_batched_tokens_total += sched.num_tokens
@@ -259,6 +278,48 @@ class LLMEngine:
             if g.finished:
                 del self.groups[g.request_id]
         return outputs
+
+    def _execute(self, sched: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:
+        """Run the model over ``sched``. A failure that leaves the tensor-parallel ranks out of
+        step is fatal (``TensorParallelError``); any other ``Exception`` is ``_StepFailed``."""
+        try:
+            return self.runner.execute(sched)
+        except BaseException as e:
+            if self.runner.tp_broken:  # the ranks are out of step: no further step can run
+                self.failed = e
+                if isinstance(e, Exception):  # Ctrl-C stays a KeyboardInterrupt
+                    raise TensorParallelError(f"a tensor-parallel step failed: {e!r}") from e
+                raise
+            if isinstance(e, Exception):
+                raise _StepFailed(e) from e
+            raise
+
+    def _isolate(self, sched: SchedulerOutput, error: Exception,
+                 ) -> tuple[SchedulerOutput, list[Request], SamplerOutput]:
+        """After a failed step, run each request's part of it alone and fail only the requests
+        whose part fails again, so one request's bad input never fails its neighbours. Running a
+        part again rewrites the same KV-cache slots with the same values."""
+        parts: dict[str, list[tuple[Request, int]]] = {}
+        for req, n in sched.scheduled:
+            parts.setdefault(req.group_id, []).append((req, n))
+        kept = SchedulerOutput(preempted=sched.preempted)
+        reqs: list[Request] = []
+        sampled = SamplerOutput([], [])
+        for group_id, part in parts.items():
+            try:
+                if len(parts) == 1:
+                    raise _StepFailed(error)
+                part_reqs, part_out = self._execute(SchedulerOutput(part))
+            except _StepFailed as failed:
+                logger.warning("request %s failed in an engine step: %r", group_id, failed.error)
+                self._fail(group_id, failed.error)
+                continue
+            kept.scheduled.extend(part)
+            if part_out is not None:
+                reqs.extend(part_reqs)
+                sampled.token_ids.extend(part_out.token_ids)
+                sampled.logprobs.extend(part_out.logprobs)
+        return kept, reqs, sampled
 
     def _append(self, req: Request, token: int, logprobs, now: float) -> None:
         req.append_token(token, logprobs)

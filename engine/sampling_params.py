@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 OutputKind = Literal["cumulative", "delta", "final"]
 
-_MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20
+MAX_N = 1024  # sequences of one request (the Router bounds it further: max_n)
+MAX_TEMPERATURE = 100.0
+MAX_STOP = 64  # stop strings of one request
+MAX_STOP_LEN = 1024  # characters of one stop string (the detokenizer holds that much back)
+MAX_STOP_TOKEN_IDS = 1024
+INT32_MAX = 2 ** 31 - 1
 _SEED_MIN, _SEED_MAX = -(2 ** 63), 2 ** 63 - 1  # torch generators take seed + index < 2**64
 
 
@@ -44,37 +51,50 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = _as_list("stop", self.stop)
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids)
         self.validate()
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the field and its accepted range."""
-        _check(self.n >= 1, "n", "must be >= 1", self.n)
-        _check(self.temperature >= 0.0, "temperature", "must be >= 0", self.temperature)
-        _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]", self.top_p)
-        _check(self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (off) or >= 1", self.top_k)
-        _check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]", self.min_p)
-        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1",
-               self.max_tokens)
-        _check(self.min_tokens >= 0, "min_tokens", "must be >= 0", self.min_tokens)
-        _check(self.seed is None or _SEED_MIN <= self.seed <= _SEED_MAX, "seed",
-               "must fit in a signed 64-bit integer", self.seed)
+        """Raise ``ValueError`` naming the field, its type and its accepted range.
+
+        Every field is checked for type and both bounds, so nothing that reaches a batched step
+        (where one bad value would fail every request in the batch) can overflow a tensor or
+        index outside one. ``bool`` is not accepted where an integer or a number is expected.
+        """
+        _int_field("n", self.n, 1, MAX_N)
+        _float_field("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        _float_field("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _int_field("top_k", self.top_k, -1, INT32_MAX)
+        _check(self.top_k != 0, "top_k", "must be -1 (off) or >= 1", self.top_k)
+        _float_field("min_p", self.min_p, 0.0, 1.0)
+        _int_field("seed", self.seed, _SEED_MIN, _SEED_MAX, optional=True)
+        _int_field("max_tokens", self.max_tokens, 1, INT32_MAX, optional=True)
+        _int_field("min_tokens", self.min_tokens, 0, INT32_MAX)
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens",
                    self.min_tokens)
-        _check(self.logprobs is None or 0 <= self.logprobs <= _MAX_LOGPROBS, "logprobs",
-               f"must be in [0, {_MAX_LOGPROBS}]", self.logprobs)
-        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]",
-               self.presence_penalty)
-        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]",
-               self.frequency_penalty)
-        _check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "must be in (0, 2]",
-               self.repetition_penalty)
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop",
-               "must be non-empty strings", self.stop)
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-               "stop_token_ids", "must be non-negative token ids", self.stop_token_ids)
+        _int_field("logprobs", self.logprobs, 0, MAX_LOGPROBS, optional=True)
+        _check(self.prompt_logprobs is None, "prompt_logprobs", "is not supported",
+               self.prompt_logprobs)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _float_field(name, getattr(self, name), -2.0, 2.0)
+        _float_field("repetition_penalty", self.repetition_penalty, 0.0, 2.0, low_open=True)
+        for name in ("ignore_eos", "include_stop_str_in_output", "detokenize",
+                     "skip_special_tokens"):
+            _check(type(getattr(self, name)) is bool, name, "must be a bool", getattr(self, name))
+        _check(isinstance(self.stop, list), "stop", "must be a list of strings", self.stop)
+        _check(isinstance(self.stop_token_ids, list), "stop_token_ids", "must be a list",
+               self.stop_token_ids)
+        _check(len(self.stop) <= MAX_STOP, "stop", f"takes at most {MAX_STOP} strings",
+               len(self.stop))
+        _check(all(type(s) is str and 0 < len(s) <= MAX_STOP_LEN for s in self.stop), "stop",
+               f"must be non-empty strings of at most {MAX_STOP_LEN} characters", self.stop)
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+               f"takes at most {MAX_STOP_TOKEN_IDS} ids", len(self.stop_token_ids))
+        _check(all(_is_int(t) and 0 <= t <= INT32_MAX for t in self.stop_token_ids),
+               "stop_token_ids", f"must be integer token ids in [0, {INT32_MAX}]",
+               self.stop_token_ids)
         _check(self.output_kind in ("cumulative", "delta", "final"), "output_kind",
                "must be 'cumulative', 'delta' or 'final'", self.output_kind)
 
@@ -90,4 +110,36 @@ class SamplingParams:
 
 def _check(ok: bool, name: str, rule: str, value: object) -> None:
     if not ok:
-        raise ValueError(f"{name} {rule}, got {value!r}")
+        raise ValueError(f"{name} {rule}, got {_short(value)}")
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _as_list(name: str, value: object) -> list:
+    if value is None:
+        return []
+    _check(isinstance(value, (list, tuple)), name, "must be a list", value)
+    return list(value)  # type: ignore[arg-type]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_field(name: str, value: object, low: int, high: int, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    _check(_is_int(value), name, "must be an integer", value)
+    _check(low <= value <= high, name, f"must be in [{low}, {high}]", value)  # type: ignore[operator]
+
+
+def _float_field(name: str, value: object, low: float, high: float,
+                 low_open: bool = False) -> None:
+    _check((isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value)), name, "must be a finite number", value)
+    above = value > low if low_open else value >= low  # type: ignore[operator]
+    _check(above and value <= high, name,  # type: ignore[operator]
+           f"must be in {'(' if low_open else '['}{low:g}, {high:g}]", value)

@@ -131,11 +131,12 @@ class Sampler:
 def _top_k_top_p(logits: torch.Tensor, params) -> torch.Tensor:
     vocab = logits.shape[-1]
     dev = logits.device
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+    top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params],
+                         device=dev)
     top_p = torch.tensor([p.top_p for p in params], device=dev)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=dev).unsqueeze(0)
-    mask = ranks >= top_k.clamp(max=vocab).unsqueeze(1)
+    mask = ranks >= top_k.unsqueeze(1)
     probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
     before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
     mask |= before >= top_p.unsqueeze(1)

@@ -62,6 +62,7 @@ class HFConfig:
                              "(supported: silu)")
         if raw.get("mlp_bias"):
             raise ValueError(f"{where}: mlp_bias=true is not supported")
+        check_no_quantization(raw, where)
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind not in SUPPORTED_ROPE_TYPES:
@@ -138,3 +139,15 @@ def check_no_remote_code(raw: dict, where: str) -> None:
                      "pagedserve never runs checkpoint code (there is no trust_remote_code). If "
                      "the model is a standard Llama, Mistral or Qwen2, delete auto_map from the "
                      "file.")
+
+
+def check_no_quantization(raw: dict, where: str) -> None:
+    """Refuse a quantized checkpoint: its weights would load without their scales (wrong
+    numbers, no error) since no quantization method is implemented yet."""
+    quant = raw.get("quantization_config")
+    if quant is None:
+        return
+    method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+    raise ValueError(f"{where}: quantization_config with quant_method {method!r} is not "
+                     "supported (no quantization method is implemented); use an unquantized "
+                     "checkpoint")

@@ -196,15 +196,36 @@ def test_bad_prompts_raise_and_leave_the_engine_serving(llm, reference, prompt, 
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(temperature=-0.5), "temperature must be >= 0"),
+    (dict(temperature=-0.5), r"temperature must be in \[0, 100\]"),
     (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
     (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
-    (dict(max_tokens=0), "max_tokens must be >= 1"),
+    (dict(max_tokens=0), r"max_tokens must be in \[1, 2147483647\]"),
     (dict(top_k=0), "top_k must be -1"),
-    (dict(n=0), "n must be >= 1"),
+    (dict(n=0), r"n must be in \[1, 1024\]"),
     (dict(logprobs=50), r"logprobs must be in \[0, 20\]"),
     (dict(presence_penalty=3), "presence_penalty"),
     (dict(min_tokens=5, max_tokens=2), "min_tokens must be <= max_tokens"),
+    # upper bounds: each of these once reached the batched step and failed every request in it
+    (dict(top_k=2 ** 63 - 1), r"top_k must be in \[-1, 2147483647\]"),
+    (dict(top_k=2 ** 64), "top_k must be in"),
+    (dict(n=10 ** 6), r"n must be in \[1, 1024\]"),
+    (dict(max_tokens=2 ** 63), "max_tokens must be in"),
+    (dict(min_tokens=2 ** 40, max_tokens=None), "min_tokens must be in"),
+    (dict(stop_token_ids=[2 ** 63]), "stop_token_ids must be integer token ids"),
+    (dict(stop=["x"] * 65), "stop takes at most 64"),
+    # types: a float, bool or string where an integer belongs
+    (dict(logprobs=2.5), "logprobs must be an integer"),
+    (dict(seed=1.0), "seed must be an integer"),
+    (dict(n=True), "n must be an integer"),
+    (dict(top_k="5"), "top_k must be an integer"),
+    (dict(stop_token_ids=[1.0]), "stop_token_ids must be integer token ids"),
+    (dict(stop=5), "stop must be a list"),
+    (dict(stop=[""]), "stop must be non-empty strings"),
+    (dict(ignore_eos=1), "ignore_eos must be a bool"),
+    (dict(temperature=float("nan")), "temperature must be a finite number"),
+    (dict(top_p=float("nan")), "top_p must be a finite number"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty must be a finite number"),
+    (dict(temperature=True), "temperature must be a finite number"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -14,7 +14,7 @@ def test_stop_token_ids_outside_the_vocabulary_and_huge_seeds_are_refused(tmp_pa
                        kv_cache_memory_bytes=1 << 20, progress=False)
     with pytest.raises(ValueError, match=r"stop_token_ids must be in \[0, 767\], got \[768\]"):
         engine.add_request("a", [0, 5, 6], SamplingParams(stop_token_ids=[3, 768], min_tokens=2))
-    with pytest.raises(ValueError, match="seed must fit in a signed 64-bit integer"):
+    with pytest.raises(ValueError, match=r"seed must be in \[-9223372036854775808, 9223372036854775807\]"):
         SamplingParams(seed=2 ** 64)
     engine.add_request("b", [0, 5, 6], SamplingParams(
         stop_token_ids=[767], min_tokens=2, ignore_eos=True, max_tokens=4, seed=2 ** 63 - 1, n=2))
