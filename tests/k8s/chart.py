@@ -21,6 +21,10 @@ EXAMPLES = ROOT / "k8s" / "values"
 CRDS = ROOT.parent / "shared" / "k8s-crds"
 RAYSERVICE_CRD = CRDS / "ray.io_rayservices.yaml"
 RELEASE = "pagedserve"
+DOCKERFILE = ROOT / "deploy" / "Dockerfile"
+
+# What the chart is rendered with in the parametrised tests: its defaults and every example.
+CASES = ["defaults", *sorted(p.name for p in EXAMPLES.glob("*.yaml"))]
 
 
 @cache
@@ -32,17 +36,38 @@ def render_script():
     return module
 
 
-def render(values: dict[str, Any] | None = None, release: str = RELEASE) -> dict[str, Any]:
-    """The chart's objects for ``values``, keyed by kind (one object of each kind)."""
+def render_objects(values: dict[str, Any] | None = None,
+                   release: str = RELEASE) -> list[dict[str, Any]]:
+    """Every object the chart renders for ``values``, in apply order."""
     docs = render_script().render_documents(values, release=release)
-    objects = [yaml.safe_load(doc) for doc in docs]
+    return [yaml.safe_load(doc) for doc in docs]
+
+
+def render(values: dict[str, Any] | None = None, release: str = RELEASE) -> dict[str, Any]:
+    """The chart's objects for ``values``, keyed by kind (one object of each kind). The
+    PodDisruptionBudgets, one per pod role, are left out: see ``disruption_budgets``."""
+    objects = [o for o in render_objects(values, release) if o["kind"] != "PodDisruptionBudget"]
     by_kind = {obj["kind"]: obj for obj in objects}
     assert len(by_kind) == len(objects), f"two objects of one kind: {[o['kind'] for o in objects]}"
     return by_kind
 
 
+def disruption_budgets(values: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """The chart's PodDisruptionBudgets, keyed by the pod role (component label) each covers."""
+    budgets = [o for o in render_objects(values) if o["kind"] == "PodDisruptionBudget"]
+    by_role = {b["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"]: b
+               for b in budgets}
+    assert len(by_role) == len(budgets), "two PodDisruptionBudgets for one pod role"
+    return by_role
+
+
 def example(name: str) -> dict[str, Any]:
     return yaml.safe_load((EXAMPLES / name).read_text())
+
+
+def values_for(case: str) -> dict[str, Any] | None:
+    """The values of one of CASES (None: the chart's defaults)."""
+    return None if case == "defaults" else example(case)
 
 
 def serve_config(rayservice: dict[str, Any]) -> dict[str, Any]:
@@ -65,6 +90,10 @@ def gpu_group(rayservice: dict[str, Any]) -> dict[str, Any]:
 
 def container(group: dict[str, Any]) -> dict[str, Any]:
     return group["template"]["spec"]["containers"][0]
+
+
+def pod_spec(group: dict[str, Any]) -> dict[str, Any]:
+    return group["template"]["spec"]
 
 
 @cache

@@ -13,8 +13,8 @@ import yaml
 
 from serve_app.config import AppConfig
 from tests.k8s.chart import (
+    CASES,
     CHART,
-    EXAMPLES,
     ROOT,
     app_args,
     container,
@@ -23,18 +23,13 @@ from tests.k8s.chart import (
     head,
     render,
     serve_config,
+    values_for,
 )
-
-CASES = ["defaults", *sorted(p.name for p in EXAMPLES.glob("*.yaml"))]
 
 # Fields the chart sets that AppConfig gains in parallel issues (autoscaling policies, the API
 # key read from a mounted Secret). Until it has them, the args are checked without them and
 # test_app_config_knows_chart_fields reports the gap as a skip.
 CHART_FIELDS = ("autoscaling", "api_key_file")
-
-
-def values_for(case: str) -> dict | None:
-    return None if case == "defaults" else example(case)
 
 
 def validate_app_args(args: dict) -> AppConfig:

@@ -7,9 +7,7 @@ import re
 
 import ray
 
-from tests.k8s.chart import CHART, ROOT, render_script
-
-DOCKERFILE = ROOT / "deploy" / "Dockerfile"
+from tests.k8s.chart import CHART, DOCKERFILE, ROOT, render_script
 
 
 def test_rayservice_yaml_is_current():

@@ -58,6 +58,14 @@ REJECTED = [
     pytest.param({"service": {"type": "ExternalName"}}, "at '/service/type'", id="service-type"),
     pytest.param({"tensorParalelSize": 2}, "additional properties 'tensorParalelSize' not allowed",
                  id="typo-top-level"),
+    # The API server drops unknown securityContext keys silently: a typo would lose a protection.
+    pytest.param({"securityContext": {"allowPrivilegeEscalaton": False}},
+                 "additional properties 'allowPrivilegeEscalaton' not allowed",
+                 id="typo-security-context"),
+    pytest.param({"head": {"podSecurityContext": {"runAsNonroot": True}}},
+                 "additional properties 'runAsNonroot' not allowed", id="typo-pod-security-context"),
+    pytest.param({"podSecurityContext": {"seccompProfile": {"type": "Unconfind"}}},
+                 "at '/podSecurityContext/seccompProfile/type'", id="bad-seccomp-type"),
 ]
 
 

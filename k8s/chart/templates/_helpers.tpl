@@ -182,4 +182,24 @@ replaces it (any command that fills $MODEL_DIR).
   resources:
     {{- toYaml . | nindent 4 }}
   {{- end }}
+  {{- with include "pagedserve.securityContext" (dict "base" .Values.securityContext "override" $d.securityContext) | trim }}{{ . | nindent 2 }}{{ end }}
+{{- end -}}
+
+{{/*
+A securityContext block: the chart-wide context (.base) with a pod role's own keys (.override)
+in place of the same keys; a key the role sets to null is dropped. Nothing when both are empty.
+*/}}
+{{- define "pagedserve.securityContext" -}}
+{{- $ctx := deepCopy (.base | default dict) -}}
+{{- range $key, $value := (.override | default dict) -}}
+{{- if kindIs "invalid" $value -}}
+{{- $_ := unset $ctx $key -}}
+{{- else -}}
+{{- $_ := set $ctx $key $value -}}
+{{- end -}}
+{{- end -}}
+{{- with $ctx }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
 {{- end -}}
