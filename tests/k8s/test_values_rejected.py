@@ -66,6 +66,14 @@ REJECTED = [
                  "additional properties 'runAsNonroot' not allowed", id="typo-pod-security-context"),
     pytest.param({"podSecurityContext": {"seccompProfile": {"type": "Unconfind"}}},
                  "at '/podSecurityContext/seccompProfile/type'", id="bad-seccomp-type"),
+    pytest.param({"gpuWorkers": {"volumes": [{"name": "model", "emptyDir": {}}]}},
+                 'gpuWorkers.volumes: "model" is a volume the chart makes', id="volume-name-taken"),
+    pytest.param({"head": {"volumeMounts": [{"name": "cache", "mountPath": "/dev/shm"}]}},
+                 'head.volumeMounts: "/dev/shm" is where the chart mounts', id="mount-path-taken"),
+    pytest.param({"head": {"containerEnv": [{"value": "1"}]}},
+                 "at '/head/containerEnv/0': missing property 'name'", id="env-without-name"),
+    pytest.param({"gpuWorkers": {"serviceAccount": "sa"}},
+                 "additional properties 'serviceAccount' not allowed", id="typo-service-account"),
 ]
 
 

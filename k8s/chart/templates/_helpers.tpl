@@ -103,6 +103,16 @@ tolerations:
 affinity:
   {{- toYaml . | nindent 2 }}
 {{- end }}
+{{- with .topologySpreadConstraints }}
+topologySpreadConstraints:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
 {{- end -}}
 
 {{/* The API key Secret, mounted as a file on every Ray pod (a Router may run on any of them). */}}
@@ -121,16 +131,24 @@ affinity:
 Settings every Ray process on the pod reads when it starts: Ray Serve's ingress (values.ingress),
 and the raylet's niceness for the worker processes it starts (Ray's default, 15, lets any other
 process on the node preempt the engine's matmul threads; serve_app.serve_at_normal_priority).
+Then the pod role's (.role) containerEnv, which wins over these for a name set twice, and envFrom.
 */}}
 {{- define "pagedserve.rayEnv" -}}
 env:
   - {name: RAY_worker_niceness, value: "0"}
-{{- if eq .Values.ingress "haproxy" }}
+{{- if eq .root.Values.ingress "haproxy" }}
   - {name: RAY_SERVE_ENABLE_HA_PROXY, value: "1"}
   - {name: RAY_SERVE_THROUGHPUT_OPTIMIZED, value: "1"}
 {{- else }}
   - {name: RAY_SERVE_ENABLE_HA_PROXY, value: "0"}
   - {name: RAY_SERVE_PROXY_USE_GRPC, value: "1"}
+{{- end }}
+{{- with .role.containerEnv }}
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .role.envFrom }}
+envFrom:
+  {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end -}}
 

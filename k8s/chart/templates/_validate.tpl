@@ -41,4 +41,19 @@ what to change; rayservice.yaml includes this before it renders anything.
 {{- if and .Values.apiKey.enabled .Values.apiKey.existingSecret .Values.apiKey.value -}}
 {{- fail "apiKey: set either existingSecret or value, not both" -}}
 {{- end -}}
+
+{{- $paths := list "/dev/shm" (include "pagedserve.apiKeyMountPath" .) (trimSuffix "/" .Values.model.mountPath) -}}
+{{- range $role := list "head" "gpuWorkers" -}}
+{{- $v := index $.Values $role -}}
+{{- range $v.volumes -}}
+{{- if has .name (list "dshm" "model" "api-key") -}}
+{{- fail (printf "%s.volumes: %q is a volume the chart makes (dshm, model, api-key); give yours another name" $role .name) -}}
+{{- end -}}
+{{- end -}}
+{{- range $v.volumeMounts -}}
+{{- if has (trimSuffix "/" .mountPath) $paths -}}
+{{- fail (printf "%s.volumeMounts: %q is where the chart mounts /dev/shm, the weights (model.mountPath) or the API key; mount yours elsewhere" $role .mountPath) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
