@@ -74,6 +74,12 @@ REJECTED = [
                  "at '/head/containerEnv/0': missing property 'name'", id="env-without-name"),
     pytest.param({"gpuWorkers": {"serviceAccount": "sa"}},
                  "additional properties 'serviceAccount' not allowed", id="typo-service-account"),
+    # RayCluster has no scale subresource: with maxUnavailable or a percentage the disruption
+    # controller could not count the pods and would block every eviction.
+    pytest.param({"podDisruptionBudget": {"gpuWorkers": {"maxUnavailable": 1}}},
+                 "additional properties 'maxUnavailable' not allowed", id="pdb-max-unavailable"),
+    pytest.param({"podDisruptionBudget": {"head": {"minAvailable": "50%"}}},
+                 "at '/podDisruptionBudget/head/minAvailable'", id="pdb-percentage"),
 ]
 
 
