@@ -23,7 +23,8 @@ _ENGINE_KEYS = {k for f in EngineConfig.model_fields.values() for k in f.annotat
 class AppConfig(BaseModel):
     """Everything ``build_app`` needs: the engine's settings and the serving layer's."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # no error message repeats the input: it may hold the API key
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     engine: EngineConfig = Field(
         default_factory=EngineConfig,
@@ -142,6 +143,20 @@ class AppConfig(BaseModel):
         rest = {k: v for k, v in data.items() if k not in _ENGINE_KEYS}
         rest["engine"] = EngineConfig.from_kwargs(**{**_flat_engine(engine), **flat})
         return rest
+
+    @field_validator("api_key")
+    @classmethod
+    def _usable_key(cls, value: SecretStr | None) -> SecretStr | None:
+        """An empty key would turn authentication off (a request without the header compares
+        equal): refuse it rather than serve unauthenticated while looking guarded."""
+        key = None if value is None else value.get_secret_value()
+        if key is not None and not key.strip():
+            raise ValueError("must not be empty or whitespace; leave api_key unset to serve "
+                             "without authentication")
+        if key is not None and key != key.strip():
+            raise ValueError("must not start or end with whitespace (HTTP strips it from the "
+                             "Authorization header, so no request could match)")
+        return value
 
     @model_validator(mode="after")
     def _one_key_source(self) -> AppConfig:

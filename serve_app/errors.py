@@ -46,6 +46,15 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+class FieldError(ValueError):
+    """A check across fields, raised in a pydantic validator, that names the field at fault
+    (the 400's ``param``): pydantic itself gives such errors no location."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 def error_body(status: int, message: str, param: str | None = None,
                code: str | None = None) -> dict:
     kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
@@ -61,6 +70,9 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> APIE
     if err.get("type") == "json_invalid":
         return APIError(400, f"malformed JSON body: {err.get('msg')}", code="invalid_json")
     loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
+    cause = err.get("ctx", {}).get("error")
+    if isinstance(cause, FieldError):
+        loc = [*loc, cause.field]
     param = ".".join(loc) or None
     msg = err.get("msg", "invalid value")
     if err.get("type") == "value_error":

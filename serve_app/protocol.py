@@ -9,21 +9,21 @@ Responses are plain dicts built in ``serve_app/responses.py``.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from engine.sampling_params import SamplingParams
-from serve_app.errors import APIError, from_validation_error
+from engine.sampling_params import INT32_MAX, MAX_N, MAX_STOP_TOKEN_IDS, SamplingParams
+from serve_app.errors import APIError, FieldError, from_validation_error
 
 MAX_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 
-TokenIds = list[Annotated[int, Field(ge=0)]]
+TokenIds = list[Annotated[int, Field(ge=0, le=INT32_MAX)]]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -36,19 +36,20 @@ class _Sampling(_Strict):
     model: str | None = Field(None, description="Served model name; the only model if omitted.")
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1, description="-1 turns it off.")
+    top_k: int = Field(-1, ge=-1, le=INT32_MAX, description="-1 turns it off.")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    n: int = Field(1, ge=1, description="Choices per prompt; the Router bounds it (max_n).")
+    n: int = Field(1, ge=1, le=MAX_N, description="Choices per prompt; the Router bounds it "
+                   "(max_n).")
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: TokenIds | None = None
+    stop_token_ids: TokenIds | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
@@ -57,13 +58,13 @@ class _Sampling(_Strict):
     @model_validator(mode="after")
     def _unsupported(self) -> _Sampling:
         if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+            raise FieldError("logit_bias", "is not supported")
         if len(self.stop_list()) > 16:
-            raise ValueError("stop accepts at most 16 strings")
+            raise FieldError("stop", "accepts at most 16 strings")
         if not all(self.stop_list()):
-            raise ValueError("stop strings must not be empty")
+            raise FieldError("stop", "strings must not be empty")
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+            raise FieldError("stream_options", "is only allowed when stream is true")
         return self
 
     @property
@@ -80,7 +81,7 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | TokenIds | list[TokenIds] = Field(
         description="A string, a list of strings, token ids, or a list of token-id lists."
     )
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -88,12 +89,15 @@ class CompletionRequest(_Sampling):
     @model_validator(mode="after")
     def _check_prompt(self) -> CompletionRequest:
         if self.suffix:
-            raise ValueError("suffix is not supported")
+            raise FieldError("suffix", "is not supported")
         if isinstance(self.prompt, list) and not self.prompt:
-            raise ValueError("prompt must not be empty")
+            raise FieldError("prompt", "must not be empty")
         if self.echo and self.logprobs is not None:
-            raise ValueError("echo together with logprobs is not supported (no prompt logprobs)")
+            raise FieldError("echo", "together with logprobs is not supported (no prompt "
+                             "logprobs)")
         return self
+
+    max_tokens_param: ClassVar[str] = "max_tokens"  # the field bounding the output (errors)
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per engine request: a string or a token-id list."""
@@ -125,9 +129,9 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, description="Deprecated alias of "
-                                   "max_completion_tokens.")
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX, description="Deprecated alias "
+                                   "of max_completion_tokens.")
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
@@ -137,12 +141,17 @@ class ChatCompletionRequest(_Sampling):
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.tools:
-            raise ValueError("tools are not supported")
+            raise FieldError("tools", "are not supported")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise ValueError("response_format other than 'text' is not supported")
+            raise FieldError("response_format", "other than 'text' is not supported")
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs=true")
+            raise FieldError("top_logprobs", "needs logprobs=true")
         return self
+
+    @property
+    def max_tokens_param(self) -> str:
+        """The field that bounds the output, for error messages."""
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
 
     def completion_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \

@@ -16,6 +16,8 @@ import hmac
 import logging
 import math
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -36,6 +38,7 @@ from serve_app.worker_client import WorkerClient
 logger = logging.getLogger("ray.serve")
 
 REPLICA_HEADER = "x-pagedserve-replica"
+PREPARE_THREADS = 2  # threads that template and tokenize prompts, per Router replica
 
 # No /docs, /redoc or /openapi.json: every route but /health sits behind the API key.
 api = FastAPI(title="pagedserve", description="OpenAI-compatible LLM serving on Ray Serve.",
@@ -62,6 +65,8 @@ class Router:
         self.batcher = DynamicBatcher(self.metrics.count_batches(self.workers.run_batch),
                                       config.max_batch_size, config.batch_wait_ms / 1000.0)
         self.prompts: PromptProcessor | None = None
+        self._prepare_pool = ThreadPoolExecutor(PREPARE_THREADS,
+                                                thread_name_prefix="pagedserve-prepare")
         self._active: set[EngineRequest] = set()
         self._counters = {"requests_total": 0, "rejected_429_total": 0}
         self._ttft_ewma_s = 0.0
@@ -120,14 +125,11 @@ class Router:
         req: CompletionRequest = parse_request(CompletionRequest, await self._body(request))
         p = await self._ready()
         p.check_model(req.model)
-        raw = req.prompts()
-        p.check_size(len(raw), req.n, req.max_tokens)
-        prompts = [p.encode_completion(x) for x in raw]
-        params = [p.params(req, ids, req.max_tokens, req.logprobs) for ids in prompts]
+        p.check_size(len(req.prompts()), req.n, req.max_tokens, req.max_tokens_param)
+        prompts, params, echo = await self._off_loop(p.prepare_completion, req)
         fmt = CompletionFormat(_response_id("cmpl", request), p.model_name, p.tokenizer,
                                len(prompts) * req.n, n=req.n, want_logprobs=req.logprobs is not None,
-                               echo_texts=[x if isinstance(x, str) else p.decode(x) for x in raw]
-                               if req.echo else None)
+                               echo_texts=echo)
         return await self._run(p, req, prompts, params, fmt, req.logprobs)
 
     @api.post("/v1/chat/completions")
@@ -137,19 +139,23 @@ class Router:
                                                    await self._body(request))
         p = await self._ready()
         p.check_model(req.model)
-        p.check_size(1, req.n, req.completion_limit())
-        ids = p.encode_chat(req.chat_messages(), req.add_generation_prompt)
-        params = [p.params(req, ids, req.completion_limit(), req.num_logprobs())]
+        p.check_size(1, req.n, req.completion_limit(), req.max_tokens_param)
+        ids, params = await self._off_loop(p.prepare_chat, req)
         fmt = ChatFormat(_response_id("chatcmpl", request), p.model_name, p.tokenizer, req.n,
                          want_logprobs=req.logprobs)
         return await self._run(p, req, [ids], params, fmt, req.num_logprobs())
 
     # ---- request flow ----------------------------------------------------------------------
 
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run prompt preparation (templating, tokenizing: CPU work as long as the prompt) in
+        the Router's small thread pool, so that the streams on this event loop keep flowing."""
+        return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, fn, *args)
+
     async def _run(self, p: PromptProcessor, req: Any, prompts: list[list[int]], params: list,
                    fmt: Any, num_logprobs: int | None) -> Any:
         """Admit, queue one engine request per prompt, and answer with SSE or JSON."""
-        self._admit(len(prompts))
+        self._admit(len(prompts) * req.n)
         events: asyncio.Queue = asyncio.Queue()  # shared by this HTTP request's prompts
         engine_reqs = [EngineRequest(ids, sp, p.prefix_hashes(ids), events=events)
                        for ids, sp in zip(prompts, params, strict=True)]
@@ -271,11 +277,14 @@ class Router:
         return ok
 
     def _num_waiting(self) -> int:
-        return sum(1 for r in self._active if r.first_output_at is None and not r.finished)
+        """Sequences accepted without a first token yet (a prompt with ``n`` choices is n)."""
+        return sum(r.params.n for r in self._active
+                   if r.first_output_at is None and not r.finished)
 
-    def _admit(self, num_prompts: int) -> None:
+    def _admit(self, num_seqs: int) -> None:
+        """429 when ``num_seqs`` more would take the waiting queue over its bound."""
         self._counters["requests_total"] += 1
-        if self._num_waiting() + num_prompts > self.cfg.max_waiting_requests:
+        if self._num_waiting() + num_seqs > self.cfg.max_waiting_requests:
             self._counters["rejected_429_total"] += 1
             self.metrics.rejected("queue_full")
             retry = max(1, math.ceil(self._ttft_ewma_s))

@@ -38,10 +38,12 @@ def _processor(**kw) -> PromptProcessor:
 
 
 @pytest.mark.parametrize("num_prompts, n, max_tokens, param", [
-    (1, 5, 8, "n"), (1, 1, 33, "max_tokens"), (9, 1, 8, "prompt")])
+    (1, 5, 8, "n"), (1, 1, 33, "max_tokens"), (9, 1, 8, "prompt"),
+    (3, 4, 8, "prompt")])  # 12 sequences: the bound counts prompts x n, not prompts
 def test_request_size_bounds_are_400(num_prompts, n, max_tokens, param):
     p = _processor(max_n=4, max_tokens_limit=32, max_prompts=8)
-    p.check_size(8, 4, 32)  # at the bounds: accepted
+    p.check_size(8, 1, 32)  # at the bounds: accepted
+    p.check_size(2, 4, 32)
     with pytest.raises(APIError) as err:
         p.check_size(num_prompts, n, max_tokens)
     assert err.value.status == 400 and err.value.param == param
@@ -260,3 +262,43 @@ def test_the_batcher_hears_once_when_a_retried_batch_is_routed():
     heard, a = asyncio.run(run())
     assert heard == [("r2", 0)]  # at the retry's answer, before its tokens
     assert _events(a) == [("t", 0, [9], "length", None), ("done", 2, 0)]
+
+
+# ---- no silent insecurity ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("key, message", [
+    ("", "must not be empty or whitespace"), ("   ", "must not be empty or whitespace"),
+    ("\t\n", "must not be empty or whitespace"), (" s3cret-key ", "must not start or end")])
+def test_an_empty_or_padded_api_key_is_a_start_up_error(key, message):
+    from pydantic import ValidationError
+
+    from serve_app.config import AppConfig
+
+    with pytest.raises(ValidationError, match=message) as err:
+        AppConfig(api_key=key)
+    assert "api_key" in str(err.value)
+    assert "s3cret" not in str(err.value)  # the error never repeats the key
+    assert AppConfig(api_key="k").resolved_api_key() == "k"
+
+
+def test_admission_counts_sequences_not_prompts():
+    """A prompt with ``n`` choices is ``n`` sequences against ``max_waiting_requests``: one
+    request with n=16 once counted as 1 and could hold the whole engine."""
+    from serve_app.router import Router
+
+    cls = Router.func_or_class
+    waiting = [EngineRequest([1, 2], SamplingParams(n=3)), EngineRequest([1], SamplingParams())]
+    started = EngineRequest([1], SamplingParams(n=4))
+    started.first_output_at = 1.0
+    rejected = []
+    router = SimpleNamespace(
+        _active={*waiting, started}, _counters={"requests_total": 0, "rejected_429_total": 0},
+        cfg=SimpleNamespace(max_waiting_requests=6), _ttft_ewma_s=0.0,
+        metrics=SimpleNamespace(rejected=rejected.append))
+    router._num_waiting = lambda: cls._num_waiting(router)
+    assert router._num_waiting() == 4
+    cls._admit(router, 2)  # 4 + 2 <= 6: admitted
+    with pytest.raises(APIError) as err:
+        cls._admit(router, 3)
+    assert err.value.status == 429 and err.value.headers["Retry-After"] == "1"
+    assert rejected == ["queue_full"] and router._counters["rejected_429_total"] == 1

@@ -1,0 +1,161 @@
+"""Fuzz of both endpoints' bodies, without a Ray cluster: the Router's checks in the Router's
+order (parse, model, size, tokenize and fit), then the engine with a long request beside.
+
+Every field of completions and chat gets random extreme values (0, -1, 2**31, 2**63, 2**64,
+1e308, NaN, infinities, wrong types, empty and huge lists, unicode). Each body is either
+refused with 400 (404 for ``model``) naming one of the fields it set, or accepted; an accepted
+one then runs in an engine step shared with a long request, which must finish with exactly the
+tokens it has alone. ``tests/serve/test_app.py`` sends the same kind of bodies over HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine import LLMEngine, SamplingParams
+from serve_app.errors import APIError
+from serve_app.prompts import PromptProcessor
+from serve_app.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from tests.checkpoints import make_checkpoint
+
+MAX_MODEL_LEN = 128
+LONG = [0, *range(300, 330)]
+LONG_PARAMS = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, detokenize=False)
+
+EXTREMES = [
+    0, 1, -1, 2, 2 ** 31 - 1, 2 ** 31, 2 ** 63 - 1, 2 ** 63, 2 ** 64, -(2 ** 63) - 1,
+    0.0, 0.5, -0.5, 1.5, 1e308, -1e308, math.inf, -math.inf, math.nan, 1e-300,
+    True, False, None, "", "5", "é\u0000🙂\ud7ff", "x" * 5000, [], [0], [-1], [2 ** 63],
+    [[0, 5], [7]], [[]], ["a"], [""], ["x"] * 100, list(range(3000)), {}, {"a": 1},
+    {"type": "json_object"}, {"include_usage": True}, {"include_usage": "yes"},
+]
+COMMON = ["model", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop",
+          "stop_token_ids", "stream", "stream_options", "presence_penalty",
+          "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens",
+          "skip_special_tokens", "include_stop_str_in_output", "user", "logit_bias",
+          "max_tokens"]
+FIELDS = {
+    "completions": COMMON + ["prompt", "logprobs", "echo", "suffix"],
+    "chat": COMMON + ["messages", "max_completion_tokens", "logprobs", "top_logprobs",
+                      "add_generation_prompt", "tools", "response_format"],
+}
+BASE = {"completions": {"prompt": "Hello there", "max_tokens": 4},
+        "chat": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}}
+MESSAGES = [[], [{"role": "user"}], [{"role": "user", "content": 5}],
+            [{"role": "wizard", "content": "x"}], [{"role": "user", "content": [{"type": "text",
+                                                                                  "text": "é"}]}],
+            [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}],
+            [{"role": "assistant", "content": None}], "hi", [{"role": "user", "content": "🙂" * 300}]]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    path = make_checkpoint(tmp_path_factory.mktemp("llama"))
+    return LLMEngine(model=str(path), dtype="float32", kv_cache_memory_bytes=4 << 20,
+                     block_size=8, max_model_len=MAX_MODEL_LEN, progress=False)
+
+
+@pytest.fixture(scope="module")
+def processor(engine):
+    info = {"tokenizer": engine.tokenizer, "max_model_len": MAX_MODEL_LEN}
+    return PromptProcessor(info, "served-name", 16, max_n=4, max_prompts=64)
+
+
+@pytest.fixture(scope="module")
+def long_alone(engine):
+    engine.add_request("alone", LONG, LONG_PARAMS)
+    return _run(engine)["alone"]
+
+
+def _run(engine: LLMEngine, max_steps: int = 2000) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return tokens
+        for out in engine.step():
+            tokens[out.request_id] = out.outputs[0].token_ids
+    raise AssertionError("the engine did not finish")
+
+
+def _handle(p: PromptProcessor, endpoint: str, body: bytes):
+    """The Router's checks, in its order; the prompts' token ids and params, or APIError."""
+    if endpoint == "completions":
+        req = parse_request(CompletionRequest, body)
+        p.check_model(req.model)
+        p.check_size(len(req.prompts()), req.n, req.max_tokens, req.max_tokens_param)
+        prompts, params, _ = p.prepare_completion(req)
+        return prompts, params
+    req = parse_request(ChatCompletionRequest, body)
+    p.check_model(req.model)
+    p.check_size(1, req.n, req.completion_limit(), req.max_tokens_param)
+    ids, params = p.prepare_chat(req)
+    return [ids], params
+
+
+def bodies(endpoint: str):
+    values = st.sampled_from(EXTREMES)
+    by_field = {f: (st.one_of(values, st.sampled_from(MESSAGES)) if f == "messages" else values)
+                for f in FIELDS[endpoint]}
+    return st.fixed_dictionaries({}, optional=by_field).filter(bool)
+
+
+@settings(max_examples=250, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data(), endpoint=st.sampled_from(["completions", "chat"]))
+def test_fuzzed_bodies_are_refused_by_field_or_run_beside_a_long_request(
+        engine, processor, long_alone, data, endpoint):
+    fields = data.draw(bodies(endpoint))
+    body = json.dumps({**BASE[endpoint], **fields}).encode()  # NaN and Infinity as JS writes them
+    try:
+        prompts, params = _handle(processor, endpoint, body)
+    except APIError as e:
+        assert e.status in (400, 404), (fields, e.status, e.message)
+        assert e.param is not None, (fields, e.message)
+        assert e.param.split(".")[0] in {*fields, "max_tokens"}, (fields, e.param, e.message)
+        return
+    for i, (ids, sp) in enumerate(zip(prompts, params, strict=True)):
+        if sp.max_tokens > 6:
+            sp.max_tokens = 6  # keep the run short; the other values are what is under test
+        sp.min_tokens = min(sp.min_tokens, sp.max_tokens)
+        engine.add_request(f"fuzz-{i}", ids, sp)
+    engine.add_request("long", LONG, LONG_PARAMS)
+    tokens = _run(engine)
+    assert engine.pop_errors() == []
+    assert tokens["long"] == long_alone
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_field_errors_across_fields_name_the_field(processor):
+    for endpoint, extra, param in [
+        ("completions", {"stop": [""]}, "stop"),
+        ("completions", {"prompt": []}, "prompt"),
+        ("completions", {"suffix": "x"}, "suffix"),
+        ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+        ("chat", {"top_logprobs": 2}, "top_logprobs"),
+        ("chat", {"tools": [{"type": "function"}]}, "tools"),
+        ("chat", {"max_completion_tokens": 2 ** 31 - 1}, "max_completion_tokens"),
+        ("completions", {"top_k": 2 ** 63}, "top_k"),
+        ("completions", {"temperature": math.nan}, "temperature"),
+    ]:
+        with pytest.raises(APIError) as err:
+            _handle(processor, endpoint, json.dumps({**BASE[endpoint], **extra}).encode())
+        assert (err.value.status, err.value.param) == (400, param), err.value.message
+
+
+def test_fast_encoding_equals_the_tokenizer_and_refuses_long_prompts_by_count(processor):
+    tok = processor.tokenizer
+    texts = ["Hello, my name is", "  leading spaces", "é🙂\u0000 mixed", "<|endoftext|>x",
+             "a" * 60, ""]
+    for text in texts:
+        assert processor.encode(text, add_special_tokens=True) == tok(text).input_ids
+        assert processor.encode(text, add_special_tokens=False) == \
+            tok(text, add_special_tokens=False).input_ids
+    with pytest.raises(APIError) as err:
+        processor.encode("word " * 400)
+    assert err.value.code == "context_length_exceeded"
+    assert f"{len(tok('word ' * 400).input_ids)} tokens" in err.value.message
