@@ -390,3 +390,99 @@ def test_auth_and_body_limit(url):
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
     big = httpx.post(f"{base}/v1/completions", json={"prompt": "x" * 8000}, headers=good)
     _error(big, 413)
+
+
+# ---- one request never hurts another -----------------------------------------------------------
+
+LONG_BODY = {"prompt": "Tokens are generated one at a time", "max_tokens": 150, "temperature": 0,
+             "ignore_eos": True, "stream": True}
+
+
+def _stream_times(url: str, body: dict) -> tuple[str, list[float]]:
+    """A streamed completion's text and the arrival time of each of its chunks."""
+    text, times = [], []
+    with httpx.Client(base_url=url, timeout=120) as client:
+        with client.stream("POST", "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    times.append(time.monotonic())
+                    text += [c["text"] for c in json.loads(line[6:])["choices"]]
+    return "".join(text), times
+
+
+class _LongStreams:
+    """Streams LONG_BODY again and again in a thread, keeping every run's text."""
+
+    def __init__(self, url: str) -> None:
+        import threading
+
+        self.url, self.texts, self.times = url, [], []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            text, times = _stream_times(self.url, LONG_BODY)
+            self.texts.append(text)
+            self.times += times
+
+    def __enter__(self) -> _LongStreams:
+        self._thread.start()
+        wait_until(lambda: len(self.times) > 3, 60, "the long stream started")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=120)
+
+
+def test_fuzzed_requests_never_hurt_a_long_stream(url, offline):
+    """Random extreme values in every field of both endpoints (the strategies of
+    test_fuzz_requests.py), 8 at a time, while a long request streams: every bad request gets a
+    400 (404 for ``model``) naming a field it set, and the long request finishes intact."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from engine import SamplingParams
+
+    from .test_fuzz_requests import BASE, bodies
+
+    (expected,) = offline.generate([LONG_BODY["prompt"]], SamplingParams(
+        temperature=0, max_tokens=150, ignore_eos=True), use_tqdm=False)
+    paths = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+    async def send(items):
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            return await asyncio.gather(*(client.post(
+                paths[ep], content=json.dumps({**BASE[ep], **f}),
+                headers={"content-type": "application/json"}) for ep, f in items))
+
+    @settings(max_examples=12, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(items=st.lists(st.sampled_from(["completions", "chat"]).flatmap(
+        lambda ep: st.tuples(st.just(ep), bodies(ep))), min_size=1, max_size=8))
+    def check(items):
+        for (_, fields), resp in zip(items, asyncio.run(send(items)), strict=True):
+            assert resp.status_code in (200, 400, 404), (fields, resp.text)
+            if resp.status_code != 200:
+                param = _error(resp, resp.status_code)["param"]
+                assert param and param.split(".")[0] in {*fields, "max_tokens"}, (fields, param)
+
+    with _LongStreams(url) as streams:
+        check()
+    assert streams.texts and set(streams.texts) == {expected.outputs[0].text}
+
+
+def test_a_huge_prompt_does_not_stall_other_streams(url):
+    """A 4 MiB prompt is tokenized off the Router's event loop: a stream on the same Router
+    keeps receiving tokens while it is (before, the loop stood still for the whole encode)."""
+    huge = {"prompt": "tokenization takes time " * 170_000, "max_tokens": 1}
+    with _LongStreams(url) as streams:
+        start = time.monotonic()
+        resp = httpx.post(f"{url}/v1/completions", json=huge, timeout=120)
+        end = time.monotonic()
+    assert _error(resp, 400)["code"] == "context_length_exceeded"
+    during = [t for t in streams.times if start + 0.2 < t < end]
+    assert end - start > 1.0  # long enough for the count below to mean something
+    assert len(during) >= 10, (end - start, len(during))
