@@ -13,7 +13,13 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from engine.sampling_params import INT32_MAX, MAX_N, MAX_STOP_TOKEN_IDS, SamplingParams
+from engine.sampling_params import (
+    INT32_MAX,
+    MAX_N,
+    MAX_STOP_LEN,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 from serve_app.errors import APIError, FieldError, from_validation_error
 
 MAX_LOGPROBS = 20
@@ -63,6 +69,9 @@ class _Sampling(_Strict):
             raise FieldError("stop", "accepts at most 16 strings")
         if not all(self.stop_list()):
             raise FieldError("stop", "strings must not be empty")
+        if max(map(len, self.stop_list()), default=0) > MAX_STOP_LEN:
+            raise FieldError("stop", f"strings may have at most {MAX_STOP_LEN} characters (the "
+                             "Router holds that much text back and searches it every token)")
         if self.stream_options is not None and not self.stream:
             raise FieldError("stream_options", "is only allowed when stream is true")
         return self

@@ -141,6 +141,7 @@ def test_field_errors_across_fields_name_the_field(processor):
         ("chat", {"max_completion_tokens": 2 ** 31 - 1}, "max_completion_tokens"),
         ("completions", {"top_k": 2 ** 63}, "top_k"),
         ("completions", {"temperature": math.nan}, "temperature"),
+        ("completions", {"stop": ["x" * 1025]}, "stop"),
     ]:
         with pytest.raises(APIError) as err:
             _handle(processor, endpoint, json.dumps({**BASE[endpoint], **extra}).encode())
