@@ -45,7 +45,10 @@ def _store_kv_kernel(
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
-    mask = (heads < num_kv_heads) & (dims < head_size) & (slot >= 0)
+    # A padding token stores no heads. A block mask is never and-ed with a scalar comparison:
+    # Triton 3.9's interpreter rejects the result ("mask has unsupported dtype").
+    live_heads = tl.where(slot >= 0, num_kv_heads, 0)
+    mask = (heads < live_heads) & (dims < head_size)
     # int64 throughout: block * stride_cb exceeds 2**31 on large caches.
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co + heads * stride_ch + dims
     k = tl.load(key_ptr + tok * stride_kt + heads * stride_kh + dims, mask=mask)

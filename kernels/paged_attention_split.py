@@ -50,7 +50,9 @@ def _split_kernel(
     q_len = tl.load(query_start_loc_ptr + seq + 1) - token
     rows = tl.arange(0, BLOCK_M)
     head = kv_head * GROUP + rows
-    row_valid = (rows < GROUP) & (q_len > 0)
+    # No rows for a sequence without a query token (a scalar condition kept out of the block
+    # mask: Triton 3.9's interpreter rejects a block mask and-ed with a scalar comparison).
+    row_valid = rows < tl.where(q_len > 0, GROUP, 0)
     dims = tl.arange(0, D_PAD)
     mask = row_valid[:, None] & (dims[None, :] < head_size)
     q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=mask, other=0.0)
