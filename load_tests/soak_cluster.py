@@ -55,7 +55,9 @@ class LocalApp:
         from ray import serve
 
         from serve_app.config import AppConfig
+        from serve_app.ingress import prepare_cluster_env
 
+        prepare_cluster_env()  # what `serve run` gets from build_app: the app's ingress
         self.args = app_args
         if not app_args.get("model"):  # build the default model once here, not in each Worker
             from engine.default_model import default_model_path

