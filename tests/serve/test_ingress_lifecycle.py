@@ -335,37 +335,32 @@ def _ip(hexed: str) -> str:
     return socket.inet_ntop(family, words)
 
 
+def _sockets(pid: int | str) -> list[int]:
+    """The inodes of the sockets that process ``pid`` holds open."""
+    try:
+        links = [os.readlink(f) for f in Path(f"/proc/{pid}/fd").iterdir()]
+    except OSError:
+        return []
+    return [int(link[8:-1]) for link in links if link.startswith("socket:[")]
+
+
 def busy_ports() -> dict[int, list[int]]:
     """Port -> pids of the processes listening on it, for the ports in PORTS."""
     inodes = {inode: int(port) for inode, (_, port) in listening().items()
               if int(port) in PORTS}
     owners: dict[int, list[int]] = {port: [] for port in inodes.values()}
     for d in Path("/proc").iterdir():
-        try:
-            links = [os.readlink(f) for f in (d / "fd").iterdir()] if d.name.isdigit() else []
-        except OSError:
-            continue
-        for link in links:
-            inode = link[8:-1] if link.startswith("socket:[") else ""
-            if inode.isdigit() and int(inode) in inodes:
-                owners[inodes[int(inode)]].append(int(d.name))
+        for inode in _sockets(d.name) if d.name.isdigit() else []:
+            if inode in inodes:
+                owners[inodes[inode]].append(int(d.name))
     return owners
 
 
 def listeners(run: ServeRun) -> list[tuple[str, str, str]]:
     """(command, address, port) of every socket a process of ``run`` listens on."""
     sockets = listening()
-    out = []
-    for pid, cmd in run.processes().items():
-        try:
-            links = [os.readlink(f) for f in Path(f"/proc/{pid}/fd").iterdir()]
-        except OSError:
-            continue
-        for link in links:
-            inode = link[8:-1] if link.startswith("socket:[") else ""
-            if inode.isdigit() and int(inode) in sockets:
-                out.append((cmd.split()[0], *sockets[int(inode)]))
-    return out
+    return [(cmd.split()[0], *sockets[inode]) for pid, cmd in run.processes().items()
+            for inode in _sockets(pid) if inode in sockets]
 
 
 def check_live_cluster(run: ServeRun) -> None:
@@ -373,7 +368,7 @@ def check_live_cluster(run: ServeRun) -> None:
     (haproxy,) = run.pids_of("haproxy -db")
     args = run.processes()[haproxy].split()
     config = Path(args[args.index("-f") + 1]).read_text()
-    threads = {}
+    threads: dict[str, str] = {}
     use_fast_ingress(threads)
     assert f"nbthread {threads['RAY_SERVE_HAPROXY_NBTHREAD']}\n" in config
     replicas = run.pids_of("ray::ServeReplica:default:")
