@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 # HAProxy's sections that Ray 2.60's template (ray/serve/_private/haproxy_templates.py) binds to
 # every interface: ``listen stats`` (``bind *:8404``) and ``frontend prometheus`` (``bind :9101``).
 ADMIN_SECTIONS = ("listen stats", "frontend prometheus")
+_SOCKET_MODE = re.compile(r"(\smode\s+)[0-7]{3,4}")
 _ANY_HOST_BIND = re.compile(r"^(\s*bind\s+)(?:\*|0\.0\.0\.0|\[?::\]?)?:(\d+)")
 
 
@@ -213,7 +214,9 @@ def bind_admin_to_loopback(config_path: str) -> None:
 
 
 def loopback_admin_binds(config: str) -> str:
-    """``config`` with the any-address binds of ``ADMIN_SECTIONS`` on 127.0.0.1 instead."""
+    """``config`` with the any-address binds of ``ADMIN_SECTIONS`` on 127.0.0.1 instead, and
+    the admin socket (``stats socket ... level admin``, Ray's template gives it mode 666: any
+    local user could reconfigure HAProxy) readable and writable by its owner only."""
     out: list[str] = []
     section = ""
     for line in config.splitlines(keepends=True):
@@ -221,6 +224,8 @@ def loopback_admin_binds(config: str) -> str:
             section = line.strip()
         elif section in ADMIN_SECTIONS:
             line = _ANY_HOST_BIND.sub(r"\g<1>127.0.0.1:\2", line)
+        elif line.split()[:2] == ["stats", "socket"]:
+            line = _SOCKET_MODE.sub(r"\g<1>600", line)
         out.append(line)
     return "".join(out)
 

@@ -52,6 +52,9 @@ def local_ray(num_cpus: int = 8, **init_kwargs):
     import ray
     from ray import serve
 
+    from serve_app.ingress import prepare_cluster_env
+
+    prepare_cluster_env()  # what build_app does before `serve run` starts Ray: same ingress
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     temp_dir = tempfile.mkdtemp(prefix="rt-", dir="/tmp")

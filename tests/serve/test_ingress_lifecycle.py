@@ -173,6 +173,9 @@ def test_statistics_and_exporter_bind_to_loopback(haproxy_config):
         "frontend prometheus": [f"127.0.0.1:{EXPORTER_PORT}"],
         "frontend http_frontend": [f"*:{HTTP_PORT}"],  # http_options.host decides this one
         "listen stats": [f"127.0.0.1:{STATS_PORT}"]}
+    sockets = [line.split() for line in haproxy_config.read_text().splitlines()
+               if line.split()[:2] == ["stats", "socket"]]
+    assert [s[s.index("mode") + 1] for s in sockets] == ["600"]  # Ray's template: 666
     check = subprocess.run([get_haproxy_binary(), "-c", "-f", str(haproxy_config)],
                            capture_output=True, text=True, timeout=60)
     assert check.returncode == 0, check.stderr
