@@ -43,6 +43,7 @@ class AsyncEngine:
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.vocab_size
+        self.dtype = self.engine.dtype  # the activations' dtype in use (dtype="auto" resolved)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}

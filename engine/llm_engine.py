@@ -98,7 +98,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(model_path)
         check_vocab(model_path, self.hf, self.tokenizer)
         self.eos_token_ids = frozenset(eos_token_ids(model_path, self.hf, self.tokenizer))
-        dtype = resolve_dtype(config.model.dtype, self.hf.torch_dtype, self.device)
+        self.dtype = dtype = resolve_dtype(config.model.dtype, self.hf.torch_dtype, self.device)
         if tp > 1:
             self._start_ranks(rank_launcher, model_path, dtype)
         try:

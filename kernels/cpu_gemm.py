@@ -18,6 +18,8 @@ import os
 
 import torch
 
+from kernels import cpu_isa
+
 _PACK_BATCH_HINT = 64  # oneDNN picks its blocking for this M; any M runs on the result
 
 
@@ -28,9 +30,7 @@ def packing_supported(weight: torch.Tensor) -> bool:
         return False
     if not torch.backends.mkldnn.is_available():
         return False
-    cpu = torch.cpu
-    return bool(getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
-                or getattr(cpu, "_is_amx_tile_supported", lambda: False)())
+    return cpu_isa.native_bf16()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

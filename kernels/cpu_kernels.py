@@ -30,13 +30,15 @@ from pathlib import Path
 
 import torch
 
+from kernels import cpu_isa
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_attention_cpu.c", CSRC / "elementwise_cpu.c"]
 HEADERS = [CSRC / "cpu_common.h"]
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=fast",
-         "-fno-math-errno", "-fno-trapping-math"]
+FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=fast", "-fno-math-errno",
+         "-fno-trapping-math"]  # and -march for the CPU's class (kernels/cpu_isa.py)
 MAX_HEAD = 256  # the attention kernel keeps one key row of up to 16 x 16 floats in registers
 MAX_HIDDEN = 65536
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -57,29 +59,28 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
+def compile_flags(isa: str | None = None) -> list[str]:
+    """The compiler flags for a build for ``isa`` (default: this CPU's class, capped by
+    ``PAGEDSERVE_CPU_ISA``)."""
+    return [*FLAGS, *cpu_isa.march_flags(isa)]
 
 
-def library_path() -> Path:
+def library_path(isa: str | None = None) -> Path:
     """Where the built library for these sources, compiler flags and CPU lives."""
     from engine import envs  # here: importing engine at module level would be circular
 
-    digest = hashlib.sha256(" ".join(FLAGS).encode() + _cpu_flags().encode())
+    flags = " ".join(compile_flags(isa))
+    digest = hashlib.sha256(flags.encode() + " ".join(sorted(cpu_isa.cpu_flags())).encode())
     for path in SOURCES + HEADERS:
         digest.update(path.read_bytes())
     return envs.cache_dir() / "kernels" / digest.hexdigest()[:16] / "libpagedserve_cpu.so"
 
 
-def build() -> Path:
-    """Compile the library if it is not built yet; returns its path. Raises RuntimeError."""
-    target = library_path()
+def build(isa: str | None = None) -> Path:
+    """Compile the library (for ``isa``, default this CPU's capped class) if it is not built
+    yet; returns its path. Raises RuntimeError. A build for a class above this CPU's compiles
+    but must not be loaded here."""
+    target = library_path(isa)
     if target.exists():
         return target
     cc = os.environ.get("CC", "cc")
@@ -89,7 +90,7 @@ def build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"],
+        proc = subprocess.run([cc, *compile_flags(isa), *map(str, SOURCES), "-o", tmp, "-lm"],
                               capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
@@ -98,6 +99,16 @@ def build() -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def load(isa: str | None = None) -> ctypes.CDLL:
+    """Build if needed and load the library for ``isa`` (default: this CPU's capped class);
+    RuntimeError or OSError when it cannot. Tests load each class this CPU can run."""
+    lib = ctypes.CDLL(str(build(isa)))
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = ctypes.c_int, argtypes
+    return lib
 
 
 def _load() -> ctypes.CDLL | None:
@@ -109,11 +120,7 @@ def _load() -> ctypes.CDLL | None:
             return _lib
         try:
             if os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") != "0":
-                lib = ctypes.CDLL(str(build()))
-                for name, argtypes in _SIGNATURES.items():
-                    fn = getattr(lib, name)
-                    fn.restype, fn.argtypes = ctypes.c_int, argtypes
-                _lib = lib
+                _lib = load()
         except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
             logger.warning("CPU kernels unavailable, using the torch references: %s", e)
         _tried = True

@@ -28,6 +28,7 @@ class PromptProcessor:
         self._backend = _backend_copy(self.tokenizer)
         self.model_name = model_name
         self.max_model_len: int = info["max_model_len"]
+        self.dtype: str | None = info.get("dtype")  # the Workers' activations dtype
         self.vocab_size = len(self.tokenizer)
         self._chunk = prefix_chunk_tokens
         self.max_n = max_n

@@ -80,6 +80,8 @@ class Router:
             try:
                 info = await asyncio.wait_for(self.workers.model_info(), timeout=10.0)
                 name = self.cfg.served_model_name or info["model_name"]
+                logger.info("serving %s (dtype %s, max_model_len %d)", name, info.get("dtype"),
+                            info["max_model_len"])
                 self.prompts = PromptProcessor(info, name, self.cfg.prefix_chunk_tokens,
                                                self.cfg.max_n, self.cfg.max_tokens_limit,
                                                self.cfg.max_waiting_requests)
@@ -101,7 +103,7 @@ class Router:
         self._authorize(request)
         p = await self._ready()
         card = {"id": p.model_name, "object": "model", "created": 0, "owned_by": "pagedserve",
-                "max_model_len": p.max_model_len}
+                "max_model_len": p.max_model_len, "dtype": p.dtype}
         return JSONResponse({"object": "list", "data": [card]})
 
     @api.get("/v1/stats")

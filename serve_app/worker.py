@@ -165,6 +165,7 @@ class Worker:
             "replica": self.replica_id,
             "model_name": self.engine.model_name,
             "max_model_len": self.engine.max_model_len,
+            "dtype": str(self.engine.dtype).removeprefix("torch."),
             "tokenizer": self.engine.tokenizer,
         }
 

@@ -98,6 +98,7 @@ def test_health_models_and_request_ids(url, model_path):
     assert httpx.get(f"{url}/health").status_code == 200
     models = _client(url).models.list()
     assert [m.id for m in models.data] == [model_path]
+    assert [m.model_extra["dtype"] for m in models.data] == ["float32"]  # the dtype in use
     resp = httpx.post(f"{url}/v1/completions", headers={"X-Request-Id": "my-id-1"},
                       json={"prompt": "hi", "max_tokens": 2})
     assert resp.headers.get_list("x-request-id") == ["my-id-1"]
