@@ -51,6 +51,7 @@ MODEL_SHAPES = {
 # not detokenized, and the engine, HF and vLLM (0.32) all accept ids up to the model's vocab.
 TOKENIZER_SKIP = {"config.json", "generation_config.json", "model.safetensors"}
 RESULT_TAG = "OFFLINE_THROUGHPUT_RESULT "
+CPU_CLASSES = ("generic", "avx2", "avx512", "avx512_bf16", "amx")  # kernels/cpu_isa.py
 
 
 # ----------------------------------------------------------------------------- workload
@@ -163,7 +164,7 @@ class EngineBackend:
         from engine import LLM
 
         self.args = args
-        self.llm = LLM(model=str(path), dtype="bfloat16", max_model_len=args.max_model_len,
+        self.llm = LLM(model=str(path), dtype=args.dtype, max_model_len=args.max_model_len,
                        max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        kv_cache_memory_bytes=args.kv_cache_gib << 30, num_threads=args.threads)
@@ -211,7 +212,8 @@ class HFBackend:
 
         torch.set_num_threads(args.threads)
         self.args = args
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=getattr(torch, args.dtype)).eval()
         self._batch(WARMUP, [0, 1])
 
     def generate(self, wl: Workload) -> tuple[float, dict]:
@@ -266,7 +268,7 @@ def generate(llm, prompts, lens, use_tqdm):
 
 def main():  # under __main__: vLLM spawns its engine-core process
     spec = json.load(open(sys.argv[1]))
-    llm = LLM(model=spec["model"], dtype="bfloat16", max_model_len=spec["max_model_len"],
+    llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
               max_num_seqs=spec["max_num_seqs"],
               max_num_batched_tokens=spec["max_num_batched_tokens"], seed=0)
     generate(llm, spec["warmup"]["prompts"], spec["warmup"]["output_lens"], False)
@@ -298,7 +300,7 @@ class VLLMBackend:
         script, spec = Path(self.tmp.name, "run_vllm.py"), Path(self.tmp.name, "spec.json")
         script.write_text(VLLM_SCRIPT)
         spec.write_text(json.dumps({
-            "model": str(path), "max_model_len": args.max_model_len,
+            "model": str(path), "dtype": args.dtype, "max_model_len": args.max_model_len,
             "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "warmup": {"prompts": WARMUP.prompts, "output_lens": WARMUP.output_lens}}))
@@ -574,6 +576,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--torch-profile-batch", type=int, default=64,
                    help="requests (256-token prompts) in the torch-profiled decode steps")
     p.add_argument("--plot", default=None, help="write a bar chart of output tokens/s here")
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                   help="activations' dtype for every backend; auto: what the engine's "
+                   "dtype=auto picks for the bf16 checkpoint on this (capped) CPU")
+    p.add_argument("--isa", choices=CPU_CLASSES, default=None,
+                   help="run every backend as on a CPU of this class at most (oneDNN, MKL, "
+                   "ATen and the C kernels capped; vLLM's own kernels are not): the script "
+                   "restarts itself with the caps in its environment")
     args = p.parse_args(argv)
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = set(args.backends) - {"engine", "hf", "vllm"}
@@ -595,7 +604,7 @@ def run_rounds(backends: list, wl: Workload, args) -> dict[str, list[dict]]:
             load = os.getloadavg()[0]
             elapsed, extra = b.generate(work)
             res = result(b.name, args.model_size, work, elapsed, **extra,
-                         load_avg_1m_before=round(load, 2))
+                         load_avg_1m_before=round(load, 2), dtype=args.dtype, cpu=args.cpu)
             if args.rounds > 1:
                 res["round"] = r
             runs[b.name].append(res)
@@ -603,8 +612,38 @@ def run_rounds(backends: list, wl: Workload, args) -> dict[str, list[dict]]:
     return runs
 
 
+def apply_isa_cap(isa: str | None) -> None:
+    """Restart this script with the libraries' caps for ``isa`` in its environment (they are read
+    once, at start-up, so setting them later would not take)."""
+    from kernels.cpu_isa import isa_env
+
+    if isa is None:
+        return
+    env = isa_env(isa)
+    if all(os.environ.get(k) == v for k, v in env.items()):
+        return
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **env})
+
+
+def resolve_cpu(args) -> None:
+    """``args.dtype``: ``auto`` resolved as the engine resolves it; ``args.cpu``: the class and
+    flags every JSON line carries, so each figure says which machine class it is from."""
+    import torch
+
+    from engine.loader import resolve_dtype
+    from kernels import cpu_isa
+
+    if args.dtype == "auto":
+        args.dtype = str(resolve_dtype("auto", "bfloat16", torch.device("cpu"))).split(".")[1]
+    flags = cpu_isa.cpu_flags()
+    args.cpu = {"class": cpu_isa.isa_class(), "machine_class": cpu_isa.detect(flags),
+                "flags": sorted(f for f in flags if f.startswith(("avx", "amx", "fma")))}
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    apply_isa_cap(args.isa)
+    resolve_cpu(args)
     path = checkpoint_path(args.model_size)
     wl = make_workload(args.num_prompts, args.seed, tuple(args.prompt_len),
                        tuple(args.output_len))

@@ -194,6 +194,16 @@ def test_packed_linear_gives_the_bits_of_f_linear(rows):
     assert torch.equal(cpu_gemm.packed_linear(x, packed, None), F.linear(x, weight))
 
 
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_packed_float32_linear_matches_f_linear(rows):
+    # float32 weights are prepacked on every CPU (MKL's sgemm is slower on decode shapes)
+    weight, bias, x = torch.randn(96, 40), torch.randn(96), torch.randn(rows, 40)
+    assert cpu_gemm.packing_supported(weight)
+    packed = cpu_gemm.pack(weight)
+    torch.testing.assert_close(cpu_gemm.packed_linear(x, packed, bias), F.linear(x, weight, bias))
+    assert cpu_gemm.warm_up([(packed, bias)], 16) == 2
+
+
 def test_packed_rows_run_in_few_buckets():
     # oneDNN builds a kernel per row count: any M from 1 to 2048 runs in one of 60
     assert [cpu_gemm.padded_rows(m) for m in (1, 8, 9, 256, 257, 300, 2048)] == \
