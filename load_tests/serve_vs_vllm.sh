@@ -22,6 +22,10 @@ C=${3:-64}
 VLLM_PY=${VLLM_PY:-/tmp/vllm-venv/bin/python}
 VLLM_CLI=${VLLM_CLI:-../shared/peer/vllm_cli.py}
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+# the dtype the app's dtype=auto takes for this checkpoint on this CPU: vLLM runs the same
+DTYPE=$($PY -c "import sys, torch; from engine.loader import resolve_dtype
+from engine.models.hf_config import HFConfig
+print(str(resolve_dtype('auto', HFConfig.load(sys.argv[1]).torch_dtype, torch.device('cpu'))).split('.')[1])" "$MODEL")
 RATE=${RATE:-inf}  # requests/s (Poisson arrivals); inf = as fast as CONCURRENCY allows
 ROUNDS=${ROUNDS:-3}
 LOAD=(--num-prompts "$N" --max-concurrency "$C" --request-rate "$RATE" --input-len 128
@@ -39,14 +43,14 @@ run() { $PY load_tests/serving_benchmark.py --url "$2" "${LOAD[@]}" --label "$1"
 wait_up() { for _ in $(seq 1 240); do curl -sf "$1/v1/models" >/dev/null && return 0; sleep 1; done; return 1; }
 
 # This app, started the way users start it (`serve run`, which starts a local Ray cluster with
-# its default ingress: HAProxy on port 8000 forwarding to the Router's own HTTP server). One
-# Worker with two torch threads; the Router and the Worker reserve the machine's CPUs.
+# its default ingress: HAProxy on port 8000 forwarding to the Router's own HTTP server), with
+# the README's defaults: one Worker taking the machine's cores, dtype auto (bfloat16 only where
+# the CPU has it natively; vLLM gets the same dtype), batcher defaults.
 start_app() {  # start_app [ENV=VALUE ...]
   set -m  # its own job: a script's background jobs otherwise ignore SIGINT (serve run's Ctrl-C)
   # shellcheck disable=SC2086  # APP_ARGS is a list of key=value words
-  env "$@" .venv/bin/serve run serve_app:build_app model="$MODEL" dtype=bfloat16 \
-    max_model_len=2048 num_threads=2 worker_num_cpus=1.5 router_num_cpus=0.5 \
-    max_batch_size=32 batch_wait_ms=2 ${APP_ARGS:-} >/tmp/serve_vs_vllm.app.log 2>&1 &
+  env "$@" .venv/bin/serve run serve_app:build_app model="$MODEL" max_model_len=2048 \
+    ${APP_ARGS:-} >/tmp/serve_vs_vllm.app.log 2>&1 &
   APP=$!
   set +m
 }
@@ -60,7 +64,7 @@ trap 'kill ${APP:-} 2>/dev/null || true; [ -n "${VLLM:-}" ] && kill $VLLM 2>/dev
 
 # vLLM's CPU build on the same model, its torch threads bound to the two cores
 VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
-  "$VLLM_PY" "$VLLM_CLI" serve "$MODEL" --host 127.0.0.1 --port 8100 --dtype bfloat16 \
+  "$VLLM_PY" "$VLLM_CLI" serve "$MODEL" --host 127.0.0.1 --port 8100 --dtype "$DTYPE" \
   --max-model-len 2048 >/tmp/serve_vs_vllm.vllm.log 2>&1 &
 VLLM=$!
 wait_up $VLLM_URL

@@ -68,7 +68,16 @@ def test_worker_resources():
     assert gpu["ray_actor_options"]["num_gpus"] == 1
     assert gpu["placement_group_bundles"] == [{"CPU": 1.0, "GPU": 1}] * 2
     assert gpu["placement_group_strategy"] == "STRICT_PACK"
-    assert AppConfig(accelerator="cpu", worker_num_cpus=3).worker_threads() == 3
+    assert AppConfig(accelerator="cpu", worker_num_cpus=3).worker_threads(cores=2) == 3
+
+
+@pytest.mark.parametrize("args, cores, threads", [
+    ({}, 2, 2),  # the README's serve run on 2 cores: the one Worker takes both (it had 1)
+    ({}, 16, 16), ({"num_workers": 2}, 16, 8), ({"num_workers": 3}, 2, 1),
+    ({"autoscaling": {"min_replicas": 1, "max_replicas": 4}}, 16, 4),
+    ({"num_threads": 5}, 2, 5), ({"worker_num_cpus": 4, "num_workers": 2}, 4, 4)])
+def test_a_cpu_worker_takes_its_share_of_the_cores(args, cores, threads):
+    assert AppConfig(accelerator="cpu", **args).worker_threads(cores=cores) == threads
 
 
 @pytest.mark.parametrize("given, expected", [
