@@ -22,6 +22,7 @@ from serve_app.errors import APIError
 from serve_app.prompts import PromptProcessor
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from tests.checkpoints import make_checkpoint
+from tests.engine.test_isolation import run_until_idle
 
 MAX_MODEL_LEN = 128
 LONG = [0, *range(300, 330)]
@@ -69,17 +70,7 @@ def processor(engine):
 @pytest.fixture(scope="module")
 def long_alone(engine):
     engine.add_request("alone", LONG, LONG_PARAMS)
-    return _run(engine)["alone"]
-
-
-def _run(engine: LLMEngine, max_steps: int = 2000) -> dict[str, list[int]]:
-    tokens: dict[str, list[int]] = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished():
-            return tokens
-        for out in engine.step():
-            tokens[out.request_id] = out.outputs[0].token_ids
-    raise AssertionError("the engine did not finish")
+    return run_until_idle(engine)["alone"]
 
 
 def _handle(p: PromptProcessor, endpoint: str, body: bytes):
@@ -124,7 +115,7 @@ def test_fuzzed_bodies_are_refused_by_field_or_run_beside_a_long_request(
         sp.min_tokens = min(sp.min_tokens, sp.max_tokens)
         engine.add_request(f"fuzz-{i}", ids, sp)
     engine.add_request("long", LONG, LONG_PARAMS)
-    tokens = _run(engine)
+    tokens = run_until_idle(engine)
     assert engine.pop_errors() == []
     assert tokens["long"] == long_alone
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
