@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -24,40 +24,6 @@ static inline uint16_t f32_to_bf16(float f) {
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN */
     u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
     return (uint16_t)(u >> 16);
-}
-
-static inline void load_row(float *restrict dst, const void *p, int n, int dtype) {
-#ifdef __AVX512F__
-    if (dtype == 1 && n % 16 == 0) {
-        const uint16_t *s = (const uint16_t *)p;
-        for (int d = 0; d < n; d += 16) {
-            const __m256i h = _mm256_loadu_si256((const __m256i *)(s + d));
-            _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-        }
-        return;
-    }
-#endif
-    if (dtype == 1) {
-        const uint16_t *s = (const uint16_t *)p;
-        for (int d = 0; d < n; d++) dst[d] = bf16_to_f32(s[d]);
-    } else {
-        memcpy(dst, p, (size_t)n * sizeof(float));
-    }
-}
-
-/* n consecutive tokens' rows (D values each, token_stride_bytes apart) as floats: dst[t * D + d] */
-static inline void load_tokens(float *restrict dst, const char *p, int n, size_t token_stride_bytes,
-                               int D, int dtype) {
-    for (int t = 0; t < n; t++) load_row(dst + (size_t)t * D, p + (size_t)t * token_stride_bytes, D, dtype);
-}
-
-static inline void store_row(void *p, const float *restrict src, int n, int dtype) {
-    if (dtype == 1) {
-        uint16_t *o = (uint16_t *)p;
-        for (int d = 0; d < n; d++) o[d] = f32_to_bf16(src[d]);
-    } else {
-        memcpy(p, src, (size_t)n * sizeof(float));
-    }
 }
 
 #ifdef __AVX512F__
@@ -110,6 +76,134 @@ static inline __m512 round16(__m512 x, int dtype) {
     return load16(tmp, 1);
 }
 #endif
+
+/* One float vector of VW lanes, VF defined where there is one: AVX-512 (16 lanes) or AVX2 with
+ * FMA (8). Loops written in these terms serve both classes; vm is a lane mask. */
+#if defined(__AVX512F__)
+#define VF 1
+#define VW 16
+typedef __m512 vf;
+typedef __mmask16 vm;
+static inline vf v_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void v_store(float *p, vf x) { _mm512_storeu_ps(p, x); }
+static inline vf v_set1(float x) { return _mm512_set1_ps(x); }
+static inline vf v_zero(void) { return _mm512_setzero_ps(); }
+static inline vf v_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf v_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf v_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf v_div(vf a, vf b) { return _mm512_div_ps(a, b); }
+static inline vf v_max(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf v_fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vm v_le(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ); }
+static inline vm v_neq(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_NEQ_OQ); }
+static inline vf v_select(vm m, vf a, vf b) { return _mm512_mask_mov_ps(b, m, a); } /* m ? a : b */
+static inline float v_sum(vf x) { return _mm512_reduce_add_ps(x); }
+static inline vf v_exp(vf x) { return exp16(x); }
+static inline vf v_load_dt(const void *p, int dtype) { return load16(p, dtype); }
+static inline void v_store_dt(void *p, vf x, int dtype) { store16(p, x, dtype); }
+static inline vf v_round_dt(vf x, int dtype) { return round16(x, dtype); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VF 1
+#define VW 8
+typedef __m256 vf;
+typedef __m256 vm;
+static inline vf v_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline void v_store(float *p, vf x) { _mm256_storeu_ps(p, x); }
+static inline vf v_set1(float x) { return _mm256_set1_ps(x); }
+static inline vf v_zero(void) { return _mm256_setzero_ps(); }
+static inline vf v_add(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf v_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf v_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf v_div(vf a, vf b) { return _mm256_div_ps(a, b); }
+static inline vf v_max(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline vf v_fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vm v_le(vf a, vf b) { return _mm256_cmp_ps(a, b, _CMP_LE_OQ); }
+static inline vm v_neq(vf a, vf b) { return _mm256_cmp_ps(a, b, _CMP_NEQ_OQ); }
+static inline vf v_select(vm m, vf a, vf b) { return _mm256_blendv_ps(b, a, m); } /* m ? a : b */
+static inline float v_sum(vf x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+/* exp(x) for 8 lanes as exp16 below, 2^k built in the exponent bits (k clamped to
+ * [-126, 128]: below about -87 the result is 2^-126 p, not a denormal; 128 gives inf). */
+static inline vf v_exp(vf x) {
+    __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    t = _mm256_min_ps(_mm256_max_ps(t, _mm256_set1_ps(-126.0f)), _mm256_set1_ps(128.0f));
+    const __m256 k = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(t, k);
+    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    const __m256 r = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    return _mm256_and_ps(r, _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
+}
+static inline vf v_load_dt(const void *p, int dtype) {
+    if (dtype == 1) {
+        const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    }
+    return _mm256_loadu_ps((const float *)p);
+}
+/* 8 floats -> 8 bfloat16 (round to nearest even, NaN kept quiet) at p. */
+static inline void v_store_bf16(void *p, vf x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i hi = _mm256_srli_epi32(u, 16);
+    const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(packed));
+}
+static inline void v_store_dt(void *p, vf x, int dtype) {
+    if (dtype == 1) v_store_bf16(p, x);
+    else _mm256_storeu_ps((float *)p, x);
+}
+static inline vf v_round_dt(vf x, int dtype) {
+    if (dtype != 1) return x;
+    uint16_t tmp[8];
+    v_store_bf16(tmp, x);
+    return v_load_dt(tmp, 1);
+}
+#endif
+
+static inline void load_row(float *restrict dst, const void *p, int n, int dtype) {
+#ifdef VF
+    if (dtype == 1 && n % VW == 0) {
+        const uint16_t *s = (const uint16_t *)p;
+        for (int d = 0; d < n; d += VW) v_store(dst + d, v_load_dt(s + d, 1));
+        return;
+    }
+#endif
+    if (dtype == 1) {
+        const uint16_t *s = (const uint16_t *)p;
+        for (int d = 0; d < n; d++) dst[d] = bf16_to_f32(s[d]);
+    } else {
+        memcpy(dst, p, (size_t)n * sizeof(float));
+    }
+}
+
+/* n consecutive tokens' rows (D values each, token_stride_bytes apart) as floats: dst[t * D + d] */
+static inline void load_tokens(float *restrict dst, const char *p, int n, size_t token_stride_bytes,
+                               int D, int dtype) {
+    for (int t = 0; t < n; t++) load_row(dst + (size_t)t * D, p + (size_t)t * token_stride_bytes, D, dtype);
+}
+
+static inline void store_row(void *p, const float *restrict src, int n, int dtype) {
+    if (dtype == 1) {
+        uint16_t *o = (uint16_t *)p;
+        for (int d = 0; d < n; d++) o[d] = f32_to_bf16(src[d]);
+    } else {
+        memcpy(p, src, (size_t)n * sizeof(float));
+    }
+}
 
 /* x rounded to the element type and back. */
 static inline float round_to(float x, int dtype) {

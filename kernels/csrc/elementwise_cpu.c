@@ -29,11 +29,11 @@ int rms_norm_cpu(void *out, const void *x, void *residual, const void *weight, i
                 if (residual) {
                     char *rr = (char *)residual + (size_t)t * sr * es;
                     int d = 0;
-#ifdef __AVX512F__
-                    for (; d + 16 <= H; d += 16) {
-                        const __m512 v = _mm512_add_ps(_mm512_loadu_ps(buf + d), load16(rr + d * es, dtype));
-                        store16(rr + d * es, v, dtype);
-                        _mm512_storeu_ps(buf + d, round16(v, dtype));
+#ifdef VF
+                    for (; d + VW <= H; d += VW) {
+                        const vf v = v_add(v_load(buf + d), v_load_dt(rr + d * es, dtype));
+                        v_store_dt(rr + d * es, v, dtype);
+                        v_store(buf + d, v_round_dt(v, dtype));
                     }
 #endif
                     for (; d < H; d++) {
@@ -46,23 +46,23 @@ int rms_norm_cpu(void *out, const void *x, void *residual, const void *weight, i
                 }
                 float ss = 0.0f;
                 int d0 = 0;
-#ifdef __AVX512F__
-                __m512 acc = _mm512_setzero_ps();
-                for (; d0 + 16 <= H; d0 += 16) {
-                    const __m512 v = _mm512_loadu_ps(buf + d0);
-                    acc = _mm512_fmadd_ps(v, v, acc);
+#ifdef VF
+                vf acc = v_zero();
+                for (; d0 + VW <= H; d0 += VW) {
+                    const vf v = v_load(buf + d0);
+                    acc = v_fmadd(v, v, acc);
                 }
-                ss = _mm512_reduce_add_ps(acc);
+                ss = v_sum(acc);
 #endif
                 for (; d0 < H; d0++) ss += buf[d0] * buf[d0];
                 const float inv = 1.0f / sqrtf(ss / (float)H + eps);
                 char *orow = (char *)out + (size_t)t * so * es;
                 int d = 0;
-#ifdef __AVX512F__
-                const __m512 vinv = _mm512_set1_ps(inv);
-                for (; d + 16 <= H; d += 16) {
-                    const __m512 n = round16(_mm512_mul_ps(_mm512_loadu_ps(buf + d), vinv), dtype);
-                    store16(orow + d * es, _mm512_mul_ps(n, _mm512_loadu_ps(w + d)), dtype);
+#ifdef VF
+                const vf vinv = v_set1(inv);
+                for (; d + VW <= H; d += VW) {
+                    const vf n = v_round_dt(v_mul(v_load(buf + d), vinv), dtype);
+                    v_store_dt(orow + d * es, v_mul(n, v_load(w + d)), dtype);
                 }
 #endif
                 const int tail = d;
@@ -87,13 +87,13 @@ int silu_and_mul_cpu(void *out, const void *x, int64_t T, int I, int64_t sx, int
         const char *u = g + (size_t)I * es;
         char *o = (char *)out + (size_t)t * so * es;
         int d = 0;
-#ifdef __AVX512F__
-        const __m512 one = _mm512_set1_ps(1.0f);
-        for (; d + 16 <= I; d += 16) {
-            const __m512 gv = load16(g + d * es, dtype);
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-            const __m512 s = round16(_mm512_div_ps(gv, _mm512_add_ps(one, e)), dtype);
-            store16(o + d * es, _mm512_mul_ps(s, load16(u + d * es, dtype)), dtype);
+#ifdef VF
+        const vf one = v_set1(1.0f);
+        for (; d + VW <= I; d += VW) {
+            const vf gv = v_load_dt(g + d * es, dtype);
+            const vf e = v_exp(v_sub(v_zero(), gv));
+            const vf s = v_round_dt(v_div(gv, v_add(one, e)), dtype);
+            v_store_dt(o + d * es, v_mul(s, v_load_dt(u + d * es, dtype)), dtype);
         }
 #endif
         for (; d < I; d++) {
@@ -115,12 +115,12 @@ static void rotate_heads(char *p, int heads, int D, const float *cos, const floa
     for (int h = 0; h < heads; h++) {
         char *x1 = p + (size_t)h * D * es, *x2 = x1 + (size_t)half * es;
         int d = 0;
-#ifdef __AVX512F__
-        for (; d + 16 <= half; d += 16) {
-            const __m512 a = load16(x1 + d * es, dtype), b = load16(x2 + d * es, dtype);
-            const __m512 c = _mm512_loadu_ps(cos + d), s = _mm512_loadu_ps(sin + d);
-            store16(x1 + d * es, _mm512_sub_ps(_mm512_mul_ps(a, c), _mm512_mul_ps(b, s)), dtype);
-            store16(x2 + d * es, _mm512_add_ps(_mm512_mul_ps(b, c), _mm512_mul_ps(a, s)), dtype);
+#ifdef VF
+        for (; d + VW <= half; d += VW) {
+            const vf a = v_load_dt(x1 + d * es, dtype), b = v_load_dt(x2 + d * es, dtype);
+            const vf c = v_load(cos + d), s = v_load(sin + d);
+            v_store_dt(x1 + d * es, v_sub(v_mul(a, c), v_mul(b, s)), dtype);
+            v_store_dt(x2 + d * es, v_add(v_mul(b, c), v_mul(a, s)), dtype);
         }
 #endif
         for (; d < half; d++) {

@@ -25,6 +25,7 @@
 
 #define ROWS 8    /* query rows per tile (prefill chunks) */
 #define CHUNK 32  /* keys per softmax update */
+#define QVEC_MAX_LANES 1024 /* query vectors of one tile (ROWS x group, padded) in the tile path */
 
 /* q . k over d < n (both float, q pre-scaled). */
 static inline float dot_f32(const float *restrict q, const float *restrict k, int n) {
@@ -382,11 +383,13 @@ static void attend_row_d128(const Item *it, Scratch *w, void *out, const void *q
 }
 #endif
 
-#ifdef __AVX512F__
-/* The prefill path (a tile's R x GROUP query vectors of one kv head): vectorised
- * across the query vectors rather than along D, so no horizontal sums. Scores of 16 query
- * vectors for one key are D FMAs of their transposed rows qt[d][j] with the key's element d
- * broadcast; the softmax runs lane-wise; values accumulate into acc_t[d][j] the same way. */
+#ifdef VF
+/* The tile path (a tile's R x GROUP query vectors of one kv head): vectorised across the
+ * query vectors rather than along D, so no horizontal sums. Scores of VW query vectors (16 with
+ * AVX-512, 8 with AVX2) for one key are D FMAs of their transposed rows qt[d][j] with the key's
+ * element d broadcast; the softmax runs lane-wise; values accumulate into acc_t[d][j] the same
+ * way. Prefill tiles on every vector class, and decode rows where the AVX-512 row path does not
+ * apply (AVX2 only, or other head sizes). */
 static void attend_tile_qvec(const Item *it, Scratch *w, void *out, const void *query,
                              const char *k_cache, const char *v_cache, const int32_t *table,
                              int64_t pos0, int num_q_heads, int num_kv_heads, int D,
@@ -396,10 +399,10 @@ static void attend_tile_qvec(const Item *it, Scratch *w, void *out, const void *
     const size_t esize = dtype == 1 ? 2 : 4;
     const int64_t token_stride = (int64_t)num_kv_heads * D;
     const int64_t block_stride = (int64_t)block_size * token_stride;
-    const int nq = R * group, ngroups = (nq + 15) / 16, nqp = ngroups * 16;
+    const int nq = R * group, ngroups = (nq + VW - 1) / VW, nqp = ngroups * VW;
     float *qt = w->q, *acc = w->acc, *S = w->s; /* qt, acc: [D][nqp]; S: [CHUNK][nqp] */
     float *m = w->m, *l = w->l;                 /* [nqp] */
-    float pos[16 * 64];                         /* lane j's query position (as a float) */
+    float pos[QVEC_MAX_LANES];                  /* lane j's query position (as a float) */
     const int64_t kv_len = pos0 + R;
     for (int kvh = it->kvh0; kvh < it->kvh1; kvh++) {
         memset(qt, 0, sizeof(float) * (size_t)D * nqp);
@@ -428,68 +431,68 @@ static void attend_tile_qvec(const Item *it, Scratch *w, void *out, const void *
                 float *kbuf = w->kbuf; /* [n][D] */
                 load_tokens(kbuf, kb, n, token_stride * esize, D, dtype);
                 for (int g = 0; g < ngroups; g++) {
-                    const float *qg = qt + 16 * g;
-                    const __m512 pg = _mm512_loadu_ps(pos + 16 * g);
-                    __m512 mx = _mm512_loadu_ps(m + 16 * g);
+                    const float *qg = qt + VW * g;
+                    const vf pg = v_load(pos + VW * g);
+                    vf mx = v_load(m + VW * g);
                     int t = 0;
                     for (; t + 8 <= n; t += 8) { /* eight keys: eight independent chains */
-                        __m512 sv[8];
-                        for (int i = 0; i < 8; i++) sv[i] = _mm512_setzero_ps();
+                        vf sv[8];
+                        for (int i = 0; i < 8; i++) sv[i] = v_zero();
                         const float *k0 = kbuf + (size_t)t * D;
                         for (int d = 0; d < D; d++) {
-                            const __m512 q = _mm512_loadu_ps(qg + (size_t)d * nqp);
+                            const vf q = v_load(qg + (size_t)d * nqp);
                             for (int i = 0; i < 8; i++)
-                                sv[i] = _mm512_fmadd_ps(q, _mm512_set1_ps(k0[(size_t)i * D + d]), sv[i]);
+                                sv[i] = v_fmadd(q, v_set1(k0[(size_t)i * D + d]), sv[i]);
                         }
                         for (int i = 0; i < 8; i++) {
-                            const __mmask16 live = _mm512_cmp_ps_mask(_mm512_set1_ps((float)(key0 + t + i)), pg, _CMP_LE_OQ);
-                            sv[i] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, sv[i]);
-                            mx = _mm512_max_ps(mx, sv[i]);
-                            _mm512_storeu_ps(S + (size_t)(t + i) * nqp + 16 * g, sv[i]);
+                            const vm live = v_le(v_set1((float)(key0 + t + i)), pg);
+                            sv[i] = v_select(live, sv[i], v_set1(-INFINITY));
+                            mx = v_max(mx, sv[i]);
+                            v_store(S + (size_t)(t + i) * nqp + VW * g, sv[i]);
                         }
                     }
                     for (; t < n; t++) {
-                        __m512 s0 = _mm512_setzero_ps();
+                        vf s0 = v_zero();
                         for (int d = 0; d < D; d++)
-                            s0 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + (size_t)d * nqp), _mm512_set1_ps(kbuf[(size_t)t * D + d]), s0);
-                        const __mmask16 live = _mm512_cmp_ps_mask(_mm512_set1_ps((float)(key0 + t)), pg, _CMP_LE_OQ);
-                        s0 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, s0);
-                        mx = _mm512_max_ps(mx, s0);
-                        _mm512_storeu_ps(S + (size_t)t * nqp + 16 * g, s0);
+                            s0 = v_fmadd(v_load(qg + (size_t)d * nqp), v_set1(kbuf[(size_t)t * D + d]), s0);
+                        const vm live = v_le(v_set1((float)(key0 + t)), pg);
+                        s0 = v_select(live, s0, v_set1(-INFINITY));
+                        mx = v_max(mx, s0);
+                        v_store(S + (size_t)t * nqp + VW * g, s0);
                     }
                     /* lanes whose max is still -inf saw no key yet: leave them untouched */
-                    const __mmask16 seen = _mm512_cmp_ps_mask(mx, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-                    const __m512 mold = _mm512_loadu_ps(m + 16 * g);
-                    const __m512 corr = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), seen, exp16(_mm512_sub_ps(mold, mx)));
-                    __m512 sum = _mm512_setzero_ps();
+                    const vm seen = v_neq(mx, v_set1(-INFINITY));
+                    const vf mold = v_load(m + VW * g);
+                    const vf corr = v_select(seen, v_exp(v_sub(mold, mx)), v_set1(1.0f));
+                    vf sum = v_zero();
                     for (int t2 = 0; t2 < n; t2++) {
-                        float *st = S + (size_t)t2 * nqp + 16 * g;
-                        const __m512 p = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(_mm512_loadu_ps(st), mx)));
-                        _mm512_storeu_ps(st, p);
-                        sum = _mm512_add_ps(sum, p);
+                        float *st = S + (size_t)t2 * nqp + VW * g;
+                        const vf p = v_select(seen, v_exp(v_sub(v_load(st), mx)), v_zero());
+                        v_store(st, p);
+                        sum = v_add(sum, p);
                     }
-                    _mm512_storeu_ps(l + 16 * g, _mm512_fmadd_ps(_mm512_loadu_ps(l + 16 * g), corr, sum));
-                    _mm512_storeu_ps(m + 16 * g, _mm512_mask_mov_ps(mold, seen, mx));
+                    v_store(l + VW * g, v_fmadd(v_load(l + VW * g), corr, sum));
+                    v_store(m + VW * g, v_select(seen, mx, mold));
                     /* acc_t[d] = acc_t[d] * corr + sum_t p[t] v[t][d] */
                     load_tokens(kbuf, vb, n, token_stride * esize, D, dtype);
-                    for (int d = 0; d < D; d += 4) { /* D % 16 == 0: four independent chains */
-                        float *ad = acc + (size_t)d * nqp + 16 * g;
-                        __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(ad), corr);
-                        __m512 a1 = _mm512_mul_ps(_mm512_loadu_ps(ad + nqp), corr);
-                        __m512 a2 = _mm512_mul_ps(_mm512_loadu_ps(ad + 2 * nqp), corr);
-                        __m512 a3 = _mm512_mul_ps(_mm512_loadu_ps(ad + 3 * nqp), corr);
+                    for (int d = 0; d < D; d += 4) { /* D % 8 == 0: four independent chains */
+                        float *ad = acc + (size_t)d * nqp + VW * g;
+                        vf a0 = v_mul(v_load(ad), corr);
+                        vf a1 = v_mul(v_load(ad + nqp), corr);
+                        vf a2 = v_mul(v_load(ad + 2 * nqp), corr);
+                        vf a3 = v_mul(v_load(ad + 3 * nqp), corr);
                         for (int t2 = 0; t2 < n; t2++) {
-                            const __m512 p = _mm512_loadu_ps(S + (size_t)t2 * nqp + 16 * g);
+                            const vf p = v_load(S + (size_t)t2 * nqp + VW * g);
                             const float *v = kbuf + (size_t)t2 * D + d;
-                            a0 = _mm512_fmadd_ps(p, _mm512_set1_ps(v[0]), a0);
-                            a1 = _mm512_fmadd_ps(p, _mm512_set1_ps(v[1]), a1);
-                            a2 = _mm512_fmadd_ps(p, _mm512_set1_ps(v[2]), a2);
-                            a3 = _mm512_fmadd_ps(p, _mm512_set1_ps(v[3]), a3);
+                            a0 = v_fmadd(p, v_set1(v[0]), a0);
+                            a1 = v_fmadd(p, v_set1(v[1]), a1);
+                            a2 = v_fmadd(p, v_set1(v[2]), a2);
+                            a3 = v_fmadd(p, v_set1(v[3]), a3);
                         }
-                        _mm512_storeu_ps(ad, a0);
-                        _mm512_storeu_ps(ad + nqp, a1);
-                        _mm512_storeu_ps(ad + 2 * nqp, a2);
-                        _mm512_storeu_ps(ad + 3 * nqp, a3);
+                        v_store(ad, a0);
+                        v_store(ad + nqp, a1);
+                        v_store(ad + 2 * nqp, a2);
+                        v_store(ad + 3 * nqp, a3);
                     }
                     /* the key rows are needed again by the next lane group */
                     if (g + 1 < ngroups)
@@ -573,7 +576,9 @@ int paged_attention_cpu(
                     block_size, max_blocks, q_stride_t, out_stride_t, scale, dtype);
                 continue;
             }
-            if (head_size % 16 == 0) {
+#endif
+#ifdef VF
+            if (head_size % 8 == 0 && (int64_t)ROWS * (num_q_heads / num_kv_heads) + VW <= QVEC_MAX_LANES) {
                 attend_tile_qvec(it, &w, out, query, (const char *)k_cache, (const char *)v_cache,
                                  block_tables + (int64_t)b * max_blocks, pos0, num_q_heads,
                                  num_kv_heads, head_size, block_size, max_blocks, q_stride_t,

@@ -96,11 +96,15 @@ def test_c_kernels_build_for_every_class_and_match_the_references(isa, monkeypat
     monkeypatch.setattr(cpu, "_lib", cpu.load(isa))
     monkeypatch.setattr(cpu, "_tried", True)
     for dtype in (torch.float32, torch.bfloat16):
-        for heads, head_size in [((14, 2), 64), ((4, 1), 80)]:
+        # 64 and 128: AVX-512's decode rows; every size a multiple of 8: the tile path of
+        # the class's vector width (AVX2 decodes too); 36: the plain-C path
+        for heads, head_size in [((14, 2), 64), ((8, 2), 128), ((4, 1), 80), ((6, 2), 32),
+                                 ((4, 2), 36)]:
             kernel_tests.test_paged_attention_matches_reference(dtype, heads, head_size, 16)
         kernel_tests.test_rms_norm_and_fused_residual(dtype, 40)
         kernel_tests.test_rms_norm_and_fused_residual(dtype, 896)
         kernel_tests.test_silu_and_mul(dtype)
         kernel_tests.test_rotary_on_strided_views(dtype, 48)
     kernel_tests.test_paged_attention_decode_only_and_padding_rows()
+    kernel_tests.test_paged_attention_ignores_cache_outside_the_sequence()
     kernel_tests.test_store_kv_matches_reference_and_skips_minus_one()
