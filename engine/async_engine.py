@@ -20,6 +20,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, PromptType
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
 
 _RATE_WINDOW_S = 10.0
 _MAX_STEP_RECORDS = 4096  # per-step records kept until pop_step_records() drains them
@@ -97,7 +98,7 @@ class AsyncEngine:
         ends with an output whose unfinished sequences have finish reason "abort"."""
         self._send(("abort", request_id))
 
-    def get_stats(self) -> dict[str, float]:
+    def get_stats(self) -> EngineStats:
         stats = dict(self._stats)
         now = time.monotonic()
         window = [n for t, n in list(self._rate) if now - t <= _RATE_WINDOW_S]

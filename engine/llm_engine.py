@@ -31,6 +31,7 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request, RequestStatus, group_metrics
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.stats import EngineStats
 from engine.tokenizer import check_vocab, eos_token_ids, load_tokenizer
 
 if TYPE_CHECKING:
@@ -373,7 +374,7 @@ class LLMEngine:
         """Token ids the model accepts: [0, vocab_size)."""
         return self.hf.vocab_size
 
-    def get_stats(self) -> dict[str, float]:
+    def get_stats(self) -> EngineStats:
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
