@@ -1,17 +1,20 @@
-"""The soak's request mix for Locust users (``soak_mix.py``: same requests, same checks).
+"""The soak's request mix for Locust users (``soak/``: same requests, same checks).
 
     .venv/bin/locust -f load_tests/locustfile.py --host http://127.0.0.1:8000 --headless \\
         -u 32 -r 8 -t 5m --api-key "$KEY" --max-tokens-limit 128 --only-summary
 
-Each user sends the mix of ``soak.py`` (greedy completions and chats, streamed or not, echo,
+Each user sends the mix of the soak (greedy completions and chats, streamed or not, echo,
 two prompts with n=2, streams dropped mid-way, every kind of bad request) back to back. An
 answer counts as a Locust failure when it breaks a promise the soak checks (not its request's
 tokens, a 5xx, an error outside OpenAI's shape, a bad request without its 4xx, a 429 without
 ``Retry-After``); a 429 with ``Retry-After`` and the expected 4xx count as successes, listed
 under their own names. Overload comes from the user count (more users than
 ``max_waiting_requests``). At the end it waits for the Workers to go idle and prints one JSON
-line with the invariants, and exits nonzero when one broke. No faults are injected: ``soak.py``
+line with the invariants, and exits nonzero when one broke. No faults are injected: the soak
 does that on its own cluster. The host must be this machine (loopback).
+
+Locust imports this file by its path, not as part of a package: it puts the repository on
+``sys.path`` to import the mix from ``load_tests.soak``.
 """
 
 from __future__ import annotations
@@ -26,16 +29,17 @@ import locust  # noqa: F401  (first: gevent patches ssl before requests imports 
 import requests
 from locust import HttpUser, constant, events, task
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from soak_mix import (  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
+from load_tests.soak.mix import Mix, require_loopback  # noqa: E402
+from load_tests.soak.report import workers_idle  # noqa: E402
+from load_tests.soak.spec import (  # noqa: E402
+    REQUEST_INVARIANTS,
     Limits,
-    Mix,
     References,
     Spec,
     Verdict,
-    require_loopback,
-    verify,
 )
+from load_tests.soak.verify import verify  # noqa: E402
 
 STATE: dict = {"mix": None, "refs": References(), "problems": Counter(), "examples": []}
 
@@ -77,18 +81,12 @@ def _stop(environment, **_) -> None:
     while time.monotonic() < deadline:
         stats = requests.get(environment.host.rstrip("/") + "/v1/stats",
                              headers=mix.headers(), timeout=30).json()
-        if all(w["num_free_blocks"] == w["num_total_blocks"] and not w["num_running"]
-               and not w["num_waiting"] for w in stats.get("workers", [])):
+        if workers_idle(stats.get("workers", [])):
             break
         time.sleep(1)
     workers = stats.get("workers", [])
-    kv_ok = bool(workers) and all(w["num_free_blocks"] == w["num_total_blocks"]
-                                  and not w["num_running"] and not w["num_waiting"]
-                                  for w in workers)
-    invariants = {name: not STATE["problems"][name] for name in (
-        "no_hung", "belongs", "errors_openai_shape", "bad_input_4xx", "overload_429",
-        "no_unexpected_failures")}
-    invariants["kv_free_queues_empty"] = kv_ok
+    invariants = {name: not STATE["problems"][name] for name in REQUEST_INVARIANTS}
+    invariants["kv_free_queues_empty"] = bool(workers) and workers_idle(workers)
     print(json.dumps({"invariants": invariants, "problems": dict(STATE["problems"]),
                       "examples": STATE["examples"][:10],
                       "kv": [(w["replica"], w["num_free_blocks"], w["num_total_blocks"])
@@ -137,7 +135,7 @@ class SoakUser(HttpUser):
                 resp.success()
 
     @staticmethod
-    def judge(spec: Spec, resp) -> Verdict:
+    def judge(spec: Spec, resp: requests.Response) -> Verdict:
         headers = {k.lower(): v for k, v in resp.headers.items()}
         if resp.status_code == 200 and spec.stream:
             events_, done = [], False

@@ -1,4 +1,4 @@
-"""A short soak (``load_tests/soak.py``) on one local Ray cluster: about a minute of mixed
+"""A short soak (``python -m load_tests.soak``) on one local Ray cluster: about a minute of mixed
 traffic at concurrency 4 with every kind of bad request, bursts over the admission bound and one
 Worker replica killed mid-run, then two fault-free passes for the memory check. Every
 invariant the soak checks must hold.
@@ -11,14 +11,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "load_tests"))
-import soak  # noqa: E402
-from soak_mix import Limits, Mix, References, verify  # noqa: E402
+from load_tests.soak import run as soak
+from load_tests.soak.mix import Mix
+from load_tests.soak.report import table
+from load_tests.soak.spec import Limits, References
+from load_tests.soak.verify import verify
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -101,7 +101,7 @@ def args():
 
 @pytest.fixture(scope="module")
 def app(args):
-    from soak_cluster import LocalApp, write_key_file
+    from load_tests.soak.cluster import LocalApp, write_key_file
 
     key_file = write_key_file(args.api_key)
     try:
@@ -118,7 +118,7 @@ def app(args):
 def soaked(args, app):
     report = asyncio.run(soak.soak(args, app))
     print(json.dumps(report))
-    print(soak.table(report))
+    print(table(report))
     return report
 
 

@@ -1,7 +1,7 @@
 """Soak: a bounded run of mixed traffic, bad input, overload and faults against pagedserve.
 
-    python load_tests/soak.py --duration 600 --concurrency 12        # starts its own app
-    python load_tests/soak.py --url http://127.0.0.1:8000 --duration 120 --concurrency 8
+    python -m load_tests.soak --duration 600 --concurrency 12        # starts its own app
+    python -m load_tests.soak --url http://127.0.0.1:8000 --duration 120 --concurrency 8
 
 Without ``--url`` it starts one local Ray cluster on 127.0.0.1 with the app (default model,
 2 Workers, 2 Routers, an API key, a small admission bound) and injects faults during the run:
@@ -9,7 +9,7 @@ a Worker replica's process killed, a Router replica's process killed, the Worker
 2 -> 1 while busy and back to 2 (``--faults`` picks them). With ``--url`` (loopback only) it
 sends the same traffic to a running app, without faults.
 
-The traffic (``soak_mix.py``): greedy completions and chats, streamed or not, over prompts that
+The traffic (``mix.py``, ``cases.py``): greedy completions and chats, streamed or not, over prompts that
 share prefixes; echo; two prompts with n=2; streams dropped by the client mid-way; every kind
 of bad request; bursts above the admission bound. After the run it waits for the Workers to go
 idle, then runs two equal fault-free passes and compares the replicas' memory.
@@ -40,27 +40,22 @@ import argparse
 import asyncio
 import json
 import secrets
-import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from soak_mix import (  # noqa: E402
-    Limits,
-    Mix,
-    References,
-    Spec,
-    Verdict,
-    require_loopback,
-    verify,
-)
-from soak_report import Fault, Outcome, idle, summarize, table  # noqa: E402
+from .mix import require_loopback
+from .report import Fault, summarize, table
+from .runner import Runner
+from .spec import Limits
+
+if TYPE_CHECKING:
+    from .cluster import LocalApp
 
 MAX_DURATION_S = 3600.0
 MAX_CONCURRENCY = 64
-SETTLE_TIMEOUT_S = 60.0
 ALL_FAULTS = ("worker_kill", "router_kill", "scale_down")
 
 
@@ -78,136 +73,6 @@ def own_app_args(api_key_file: str | None, max_waiting: int, model: str | None) 
     if model:
         args["model"] = model
     return args
-
-
-class Runner:
-    """Sends specs and keeps every outcome; times are seconds since the run started."""
-
-    def __init__(self, url: str, limits: Limits, deadline_s: float, seed: int) -> None:
-        self.url = url
-        self.mix = Mix(limits, seed)
-        self.refs = References()
-        self.deadline_s = deadline_s
-        self.outcomes: list[Outcome] = []
-        self.t0 = time.monotonic()
-        self.phase = "main"
-
-    def now(self) -> float:
-        return time.monotonic() - self.t0
-
-    async def send(self, session: aiohttp.ClientSession, spec: Spec, record: bool = True,
-                   ) -> Outcome:
-        start = self.now()
-        headers = {**spec.headers, "X-Request-Id": spec.request_id}
-        data = _chunks(spec.body) if spec.chunked and spec.body is not None else spec.body
-        status, hung = 0, False
-        try:
-            async with asyncio.timeout(self.deadline_s):
-                async with session.request(spec.method, self.url + spec.path, data=data,
-                                           headers=headers) as resp:
-                    status = resp.status
-                    hdrs = {k.lower(): v for k, v in resp.headers.items()}
-                    if status == 200 and spec.stream:
-                        events, done = await _read_sse(resp, spec.disconnect_after)
-                        if spec.disconnect_after is not None:
-                            resp.close()  # the client goes away mid-stream
-                        verdict = verify(spec, status, hdrs, events, self.refs, done)
-                    else:
-                        verdict = verify(spec, status, hdrs, await resp.read(), self.refs)
-        except TimeoutError:
-            hung = True
-            verdict = Verdict("hung", [("no_hung", f"{spec.kind} {spec.request_id}: no answer "
-                                        f"within {self.deadline_s}s")], detail="hung")
-        except (aiohttp.ClientError, ConnectionError) as exc:
-            verdict = Verdict("failed", [], False, detail=f"transport:{type(exc).__name__}")
-        out = Outcome(spec, status, verdict, start, self.now(), hung, self.phase)
-        if record:
-            self.outcomes.append(out)
-        return out
-
-    async def clients(self, session: aiohttp.ClientSession, concurrency: int, until: float,
-                      bad_fraction: float = 0.0, limit: int | None = None) -> None:
-        """``concurrency`` loops sending the mix until ``until`` (or ``limit`` requests)."""
-        budget = [limit if limit is not None else 10 ** 9]
-
-        async def loop() -> None:
-            while self.now() < until and budget[0] > 0:
-                budget[0] -= 1
-                bad = self.mix.rng.random() < bad_fraction
-                await self.send(session, self.mix.random_bad() if bad else
-                                self.mix.random_valid())
-
-        await asyncio.gather(*(loop() for _ in range(concurrency)))
-
-    async def bursts(self, session: aiohttp.ClientSession, size: int, every_s: float,
-                     until: float) -> None:
-        while self.now() + every_s < until:
-            await asyncio.sleep(every_s)
-            await asyncio.gather(*(self.send(session, self.mix.burst()) for _ in range(size)))
-
-    async def every_bad_case(self, session: aiohttp.ClientSession) -> None:
-        for case in self.mix.bad_cases:
-            await self.send(session, self.mix.bad(case))
-
-    async def probe_until_ok(self, session: aiohttp.ClientSession, timeout_s: float,
-                             ) -> tuple[bool, list[str]]:
-        """Send probes until one completes (a 429 just means later): whether one did, and
-        what the failed ones got."""
-        failed: list[str] = []
-        deadline = self.now() + timeout_s
-        while self.now() < deadline:
-            out = await self.send(session, self.mix.probe(), record=False)
-            if out.verdict.category == "completed":
-                return True, failed
-            if out.verdict.category != "rejected":
-                failed.append(f"{out.status} {out.verdict.detail} {out.verdict.sample[:80]}")
-            await asyncio.sleep(0.5)
-        return False, failed
-
-    async def stats(self, session: aiohttp.ClientSession) -> dict:
-        async with session.get(self.url + "/v1/stats", headers=self.mix.headers(),
-                               timeout=aiohttp.ClientTimeout(total=30)) as resp:
-            return await resp.json()
-
-    async def settle(self, session: aiohttp.ClientSession, num_workers: int | None) -> dict:
-        """Wait (bounded) until every Worker is idle with all KV blocks free; last stats."""
-        deadline, stats = self.now() + SETTLE_TIMEOUT_S, {}
-        while self.now() < deadline:
-            try:
-                stats = await self.stats(session)
-            except (aiohttp.ClientError, TimeoutError, ValueError):
-                stats = {}
-            if stats and idle(stats, num_workers):
-                break
-            await asyncio.sleep(0.5)
-        return stats
-
-
-async def _chunks(data: bytes, size: int = 16384):
-    for i in range(0, len(data), size):
-        yield data[i:i + size]
-
-
-async def _read_sse(resp: aiohttp.ClientResponse, stop_after: int | None,
-                    ) -> tuple[list[str], bool]:
-    """The ``data:`` payloads in order, and whether ``[DONE]`` ended the stream."""
-    events: list[str] = []
-    try:
-        async for raw in resp.content:
-            line = raw.decode("utf-8", "replace").strip()
-            if not line.startswith("data: "):
-                continue
-            events.append(line[6:])
-            if stop_after is not None and len(events) >= stop_after:
-                return events, False
-            if events[-1] == "[DONE]":
-                rest = await resp.content.read()  # nothing may follow [DONE]
-                if rest.strip():
-                    events.append(rest.decode("utf-8", "replace"))
-                return events, True
-    except aiohttp.ClientPayloadError:
-        pass
-    return events, False
 
 
 # ---- the run -----------------------------------------------------------------------------------
@@ -237,7 +102,7 @@ async def wait_healthy(url: str, timeout_s: float = 60.0) -> None:
     raise SystemExit(f"{url}/health did not answer 200 within {timeout_s:.0f}s")
 
 
-async def soak(args: argparse.Namespace, app=None) -> dict:
+async def soak(args: argparse.Namespace, app: LocalApp | None = None) -> dict:
     """Run the soak against ``args.url`` (or ``app``, a ``LocalApp``); the report."""
     url = app.url if app is not None else args.url
     await wait_healthy(url)
@@ -253,7 +118,7 @@ async def soak(args: argparse.Namespace, app=None) -> dict:
         if args.burst_size:
             tasks.append(runner.bursts(session, args.burst_size, args.burst_every, until))
         if app is not None and args.faults:
-            from soak_cluster import Faults
+            from .faults import Faults
 
             faults = Faults(app, runner, session)
             faults_log = faults.log
@@ -282,7 +147,9 @@ async def soak(args: argparse.Namespace, app=None) -> dict:
     return report
 
 
-async def read_memory(runner: Runner, session: aiohttp.ClientSession, app) -> dict[str, int]:
+async def read_memory(runner: Runner, session: aiohttp.ClientSession,
+                      app: LocalApp | None) -> dict[str, int]:
+    """RSS per replica: from the processes (own app) or from ``/v1/stats`` (``--url``)."""
     if app is not None:
         return await asyncio.to_thread(app.rss_bytes)
     stats = await runner.stats(session)
@@ -293,7 +160,8 @@ async def read_memory(runner: Runner, session: aiohttp.ClientSession, app) -> di
 # ---- command line ------------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m load_tests.soak",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--url", help="a running app on this machine (loopback only); default: "
                    "start one on a local Ray cluster, with faults")
     p.add_argument("--duration", type=float, default=120.0,
@@ -356,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         args.url = args.url.rstrip("/")
     try:
         if not args.url:
-            from soak_cluster import LocalApp, write_key_file
+            from .cluster import LocalApp, write_key_file
 
             key_file = write_key_file(args.api_key) if args.api_key else None
             app = LocalApp(own_app_args(key_file, args.max_waiting, args.model), num_workers=2)
@@ -373,6 +241,3 @@ def main(argv: list[str] | None = None) -> int:
             print("violation:", v)
     return 0 if report["passed"] else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,12 +11,10 @@ from __future__ import annotations
 import argparse
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from soak_mix import Spec, Verdict
-
-if TYPE_CHECKING:
-    from soak import Runner
+from .mix import Mix
+from .spec import REQUEST_INVARIANTS, References, Spec, Verdict
 
 KILL_FAULTS = ("worker_kill", "router_kill")
 
@@ -40,51 +38,42 @@ class Fault:
     detail: dict = field(default_factory=dict)
 
 
+class Run(Protocol):
+    """What the report reads of a finished run (``runner.Runner``)."""
+
+    outcomes: list[Outcome]
+    refs: References
+    mix: Mix
+
+    def now(self) -> float: ...
+
+
+def workers_idle(workers: list[dict]) -> bool:
+    """Every Worker in ``workers`` (``/v1/stats``) has all KV blocks free and no request."""
+    return all(w["num_free_blocks"] == w["num_total_blocks"] and w["num_waiting"] == 0
+               and w["num_running"] == 0 for w in workers)
+
+
 def idle(stats: dict, num_workers: int | None) -> bool:
+    """``workers_idle`` for ``num_workers`` Workers (None: any number but none), and the
+    Router has nothing waiting or active."""
     workers = stats.get("workers", [])
     router = stats.get("router", {})
     return (bool(workers) and (num_workers is None or len(workers) == num_workers)
-            and all(w["num_free_blocks"] == w["num_total_blocks"] and w["num_waiting"] == 0
-                    and w["num_running"] == 0 for w in workers)
+            and workers_idle(workers)
             and router.get("num_waiting", 0) == 0 and router.get("num_active", 0) == 0)
 
 
-def summarize(runner: Runner, faults: list[Fault], after_main: dict, final: dict,
+def summarize(runner: Run, faults: list[Fault], after_main: dict, final: dict,
               memory: list[dict[str, int]], args: argparse.Namespace) -> dict:
+    """The report: counts, faults, KV and memory figures, each invariant and its violations."""
     outs = runner.outcomes
-    problems: dict[str, list[str]] = {k: [] for k in (
-        "no_hung", "belongs", "errors_openai_shape", "bad_input_4xx", "overload_429",
-        "no_unexpected_failures")}
+    problems: dict[str, list[str]] = {k: [] for k in REQUEST_INVARIANTS}
     for f in faults:
         problems.setdefault("scale_down" if f.name == "scale_up" else f.name, [])
     for o in outs:
-        kill = _window(o, faults, KILL_FAULTS)
-        failed = o.verdict.category == "failed"
-        fault_error = kill is not None and failed and (
-            o.status >= 500 or o.status == 0 or o.verdict.detail in ("stream_error", "stream_cut"))
-        for inv, text in o.verdict.problems:
-            if not (fault_error and inv in ("bad_input_4xx", "errors_openai_shape")):
-                problems[inv].append(text)
-        if fault_error:
-            seen = kill.detail.setdefault("in_flight_errors", {})
-            label = f"{o.verdict.detail}{'' if o.verdict.error_shaped else ' (not OpenAI-shaped)'}"
-            seen[label] = seen.get(label, 0) + 1
-            examples = kill.detail.setdefault("examples", [])
-            if len(examples) < 3 and o.verdict.sample:
-                examples.append(f"{o.status} {o.verdict.sample[:100]}")
-            if not _clear(o, kill):
-                problems[kill.name].append(f"{o.spec.kind}: unclear error {o.verdict.detail}")
-        if failed and not o.spec.bad and kill is None:
-            problems["no_unexpected_failures"].append(
-                f"{o.spec.kind} {o.spec.request_id} at {o.start:.1f}s: {o.verdict.detail}")
-        if (failed or o.hung) and _window(o, faults, ("scale_down", "scale_up")):
-            problems["scale_down"].append(f"{o.spec.kind} at {o.start:.1f}s: {o.verdict.detail}")
-    for f in faults:
-        if f.name in ("scale_down", "scale_up") and f.detail.get("failed_probes"):
-            problems["scale_down"].append(f"{f.name}: probes failed: {f.detail['failed_probes']}")
-        if f.end is None:
-            problems["scale_down" if f.name == "scale_up" else f.name].append(
-                f"{f.name} at {f.start:.1f}s did not recover: {f.detail}")
+        _judge_outcome(o, faults, problems)
+    _judge_faults(faults, problems)
     bursts = [o for o in outs if o.spec.kind == "burst"]
     if bursts and args.burst_size > args.max_waiting and not any(o.status == 429 for o in bursts):
         problems["overload_429"].append(f"bursts of {args.burst_size} got no 429")
@@ -107,6 +96,42 @@ def summarize(runner: Runner, faults: list[Fault], after_main: dict, final: dict
         violations=[f"{k}: {t}" for k, v in problems.items() for t in v[:5]],
         reference_prompts=len(runner.refs.texts))
     return report
+
+
+def _judge_outcome(o: Outcome, faults: list[Fault], problems: dict[str, list[str]]) -> None:
+    """Add what ``o`` broke to ``problems``; an error while a kill was in flight is counted on
+    the fault instead, and judged by ``_clear``."""
+    kill = _window(o, faults, KILL_FAULTS)
+    failed = o.verdict.category == "failed"
+    fault_error = kill is not None and failed and (
+        o.status >= 500 or o.status == 0 or o.verdict.detail in ("stream_error", "stream_cut"))
+    for inv, text in o.verdict.problems:
+        if not (fault_error and inv in ("bad_input_4xx", "errors_openai_shape")):
+            problems[inv].append(text)
+    if fault_error:
+        seen = kill.detail.setdefault("in_flight_errors", {})
+        label = f"{o.verdict.detail}{'' if o.verdict.error_shaped else ' (not OpenAI-shaped)'}"
+        seen[label] = seen.get(label, 0) + 1
+        examples = kill.detail.setdefault("examples", [])
+        if len(examples) < 3 and o.verdict.sample:
+            examples.append(f"{o.status} {o.verdict.sample[:100]}")
+        if not _clear(o, kill):
+            problems[kill.name].append(f"{o.spec.kind}: unclear error {o.verdict.detail}")
+    if failed and not o.spec.bad and kill is None:
+        problems["no_unexpected_failures"].append(
+            f"{o.spec.kind} {o.spec.request_id} at {o.start:.1f}s: {o.verdict.detail}")
+    if (failed or o.hung) and _window(o, faults, ("scale_down", "scale_up")):
+        problems["scale_down"].append(f"{o.spec.kind} at {o.start:.1f}s: {o.verdict.detail}")
+
+
+def _judge_faults(faults: list[Fault], problems: dict[str, list[str]]) -> None:
+    """A fault the service did not recover from, or a scale step with failed probes."""
+    for f in faults:
+        if f.name in ("scale_down", "scale_up") and f.detail.get("failed_probes"):
+            problems["scale_down"].append(f"{f.name}: probes failed: {f.detail['failed_probes']}")
+        if f.end is None:
+            problems["scale_down" if f.name == "scale_up" else f.name].append(
+                f"{f.name} at {f.start:.1f}s did not recover: {f.detail}")
 
 
 def _window(o: Outcome, faults: list[Fault], names: tuple[str, ...]) -> Fault | None:
@@ -135,7 +160,7 @@ def _memory_growth(memory: list[dict[str, int]], slack_mib: float) -> list[str]:
     return out
 
 
-def _counts(runner: Runner, outs: list[Outcome]) -> dict:
+def _counts(runner: Run, outs: list[Outcome]) -> dict:
     by = Counter(o.verdict.category for o in outs)
     lat = sorted(o.end - o.start for o in outs
                  if o.verdict.category == "completed" and not o.spec.bad)

@@ -1,7 +1,8 @@
-"""The soak's own application on a local Ray cluster (127.0.0.1 only), and its faults.
+"""The soak's own application on a local Ray cluster (127.0.0.1 only).
 
 ``LocalApp`` starts one Ray cluster on the loopback interface, Serve's HTTP proxy on a free
-loopback port and the pagedserve app, and injects the faults the soak must survive:
+loopback port and the pagedserve app, and has the means of the faults the soak must survive
+(``faults.py`` drives them):
 
 * ``kill("Worker")`` / ``kill("Router")``: SIGKILL to one replica actor's process (found in
   the GCS actor table); Serve's controller notices and starts a replacement.
@@ -16,7 +17,6 @@ Nothing here is imported by the serving code.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import shutil
@@ -27,11 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from soak_report import Fault
-
 APP = "soak"
 RECOVERY_TIMEOUT_S = 180.0  # for Serve to replace a replica or reach a replica count
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 
 
 def free_port() -> int:
@@ -213,61 +211,3 @@ def wait_for(check: Any, timeout_s: float, interval_s: float = 0.5) -> float | N
             pass
         time.sleep(interval_s)
     return None
-
-
-class Faults:
-    """Injects the faults into a ``LocalApp`` and times the recovery from each."""
-
-    def __init__(self, app: LocalApp, runner: Any, session: Any) -> None:
-        self.app, self.runner, self.session = app, runner, session
-        self.log: list[Fault] = []
-
-    async def run(self, names: list[str], at: list[float]) -> None:
-        """Each fault in turn, the k-th not before ``at[k]`` seconds into the run."""
-        for name, when in zip(names, at):
-            await asyncio.sleep(max(0.0, when - self.runner.now()))
-            if name == "scale_down":
-                await self.scale(name, 1)
-                await self.scale("scale_up", 2)
-            else:
-                await self.kill(name)
-
-    async def kill(self, name: str) -> None:
-        deployment = "Worker" if name == "worker_kill" else "Router"
-        target = self.app.num_workers if deployment == "Worker" else self.app.cfg.num_routers
-        fault = Fault(name, self.runner.now())
-        self.log.append(fault)
-        busiest = None
-        if deployment == "Worker":  # the one with the most requests: the kill hits work
-            workers = (await self.runner.stats(self.session)).get("workers", [])
-            if workers:
-                top = max(workers, key=lambda w: w["num_running"] + w["num_waiting"])
-                busiest = top["replica"]
-                fault.detail["requests_on_it"] = top["num_running"] + top["num_waiting"]
-        replica, pid = await asyncio.to_thread(self.app.kill, deployment, busiest)
-        fault.detail.update(replica=replica, pid=pid)
-        await self._recover(fault, deployment, target, pid)
-
-    async def scale(self, name: str, num_workers: int) -> None:
-        fault = Fault(name, self.runner.now(), detail={"workers": num_workers})
-        self.log.append(fault)
-        await asyncio.to_thread(self.app.scale, num_workers)
-        await self._recover(fault, "Worker", num_workers, None)
-
-    async def _recover(self, fault: Fault, deployment: str, target: int, gone: int | None) -> None:
-        took = await asyncio.to_thread(wait_for, lambda: self.app.settled(deployment, target, gone),
-                                       RECOVERY_TIMEOUT_S)
-        if took is None:
-            fault.detail["error"] = f"{deployment} replicas did not settle at {target}"
-            return
-        if deployment == "Worker":  # the Routers see the new set of Workers
-            deadline = self.runner.now() + RECOVERY_TIMEOUT_S
-            while self.runner.now() < deadline:
-                stats = await self.runner.stats(self.session)
-                if len(stats.get("workers", [])) == target:
-                    break
-                await asyncio.sleep(0.5)
-        ok, failed = await self.runner.probe_until_ok(self.session, RECOVERY_TIMEOUT_S)
-        fault.detail["failed_probes"] = failed
-        if ok:
-            fault.end = self.runner.now()
