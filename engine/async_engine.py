@@ -71,7 +71,6 @@ class AsyncEngine:
         first output; leaving the loop early aborts the request and frees its blocks."""
         if not self.is_running:
             raise EngineDeadError("the engine has stopped")
-        params.validate()
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())

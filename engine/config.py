@@ -6,11 +6,18 @@ accepted range (pydantic's ``ValidationError`` is a ``ValueError``).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engine import envs
+
+if TYPE_CHECKING:
+    from engine.models.hf_config import HFConfig
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -87,6 +94,40 @@ class DeviceConfig(_Strict):
     enforce_eager: bool = Field(
         False, description="On CUDA, run decode steps eagerly instead of replaying CUDA graphs."
     )
+    cpu_kernels: bool = Field(
+        default_factory=lambda: envs.settings().cpu_kernels,
+        description="On the CPU, run the C kernels (else the torch references). Default: on, "
+        "unless PAGEDSERVE_CPU_KERNELS=0.",
+    )
+    cpu_packed_gemm: bool = Field(
+        default_factory=lambda: envs.settings().cpu_packed_gemm,
+        description="On the CPU, prepack linear weights for oneDNN (else F.linear). Default: "
+        "on, unless PAGEDSERVE_CPU_PACKED_GEMM=0.",
+    )
+    kernel_build_dir: str | None = Field(
+        None, description="Where the C kernels are built; None: <cache dir>/kernels "
+        "(PAGEDSERVE_CACHE_DIR).",
+    )
+
+    def resolve_device(self) -> torch.device:
+        """The device ``device`` names ('auto': CUDA when there is one); ``ValueError`` for
+        'cuda' without one."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but no CUDA device is available (accepted: cpu, auto)")
+        return torch.device(self.device)
+
+    def cpu_threads(self, share: int = 1, cores: int | None = None) -> int:
+        """torch threads for one of ``share`` processes that split this machine's CPU (the
+        ranks of one model, or the Workers of a node): ``num_threads`` when set, else the
+        cores this process may use (``cores``, default its CPU affinity) split evenly."""
+        if self.num_threads is not None:
+            return self.num_threads
+        if cores is None:
+            cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                     else os.cpu_count() or 1)
+        return max(1, cores // share)
 
 
 class EngineConfig(_Strict):
@@ -128,6 +169,20 @@ class EngineConfig(_Strict):
         for name in type(self).model_fields:
             out.update(getattr(self, name).model_dump())
         return out
+
+
+def resolve_max_model_len(requested: int | None, hf: HFConfig) -> int:
+    """``max_model_len`` checked against the checkpoint (None: the model's own limit)."""
+    limit = hf.max_position
+    if requested is None:
+        requested = limit
+    if requested > limit:
+        raise ValueError(f"max_model_len={requested} is over the model's "
+                         f"max_position_embeddings={limit}")
+    if hf.sliding_window and requested > hf.sliding_window:
+        raise ValueError(f"sliding-window attention is not supported: set max_model_len <= "
+                         f"sliding_window={hf.sliding_window} (got {requested})")
+    return requested
 
 
 _FLAT = {k for f in EngineConfig.model_fields.values() for k in f.annotation.model_fields}  # type: ignore[union-attr]

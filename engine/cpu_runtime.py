@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
+
+from engine import envs
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ def keep_freed_memory() -> bool:
     global _done
     if _done:
         return True
-    if os.environ.get("PAGEDSERVE_CPU_MALLOC", "reuse") == "default":
+    if not envs.settings().cpu_malloc_reuse:
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")

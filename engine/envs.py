@@ -1,27 +1,78 @@
-"""Every environment variable pagedserve reads, in one place (listed in the README)."""
+"""Every environment variable pagedserve reads, in one place (listed in the README), read once
+into a frozen ``Settings``.
+
+The CPU kernel switches are the defaults of the engine config's device section
+(``DeviceConfig.cpu_kernels``, ``cpu_packed_gemm``, ``kernel_build_dir``), so a Serve config can
+set them too; ``configure_kernels`` hands a device section's values to ``kernels.settings``.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kernels import settings as kernel_settings
+from kernels.cpu_isa import CLASSES
+
+if TYPE_CHECKING:
+    from engine.config import DeviceConfig
+
+
+@dataclass(frozen=True)
+class Settings:
+    cache_dir: Path  # PAGEDSERVE_CACHE_DIR, else $XDG_CACHE_HOME/pagedserve, ~/.cache/pagedserve
+    cpu_isa: str | None  # PAGEDSERVE_CPU_ISA: run as on a CPU of this class at most
+    cpu_kernels: bool  # PAGEDSERVE_CPU_KERNELS=0: the torch references instead of the C kernels
+    cpu_packed_gemm: bool  # PAGEDSERVE_CPU_PACKED_GEMM=0: plain F.linear on the CPU
+    cpu_malloc_reuse: bool  # PAGEDSERVE_CPU_MALLOC=default: leave glibc's allocator alone
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> Settings:
+        """``ValueError`` naming a variable whose value is not accepted."""
+        explicit = environ.get("PAGEDSERVE_CACHE_DIR")
+        xdg = environ.get("XDG_CACHE_HOME")
+        cache = (Path(explicit) if explicit
+                 else (Path(xdg) if xdg else Path.home() / ".cache") / "pagedserve")
+        isa = environ.get("PAGEDSERVE_CPU_ISA", "").strip().lower() or None
+        if isa is not None and isa not in CLASSES:
+            raise ValueError(f"PAGEDSERVE_CPU_ISA must be one of {', '.join(CLASSES)}, "
+                             f"got {isa!r}")
+        return cls(cache_dir=cache, cpu_isa=isa,
+                   cpu_kernels=environ.get("PAGEDSERVE_CPU_KERNELS", "1") != "0",
+                   cpu_packed_gemm=environ.get("PAGEDSERVE_CPU_PACKED_GEMM", "1") != "0",
+                   cpu_malloc_reuse=environ.get("PAGEDSERVE_CPU_MALLOC", "reuse") != "default")
+
+
+_settings: Settings | None = None
+
+
+def settings() -> Settings:
+    """This process's settings, read from the environment on first use."""
+    global _settings
+    if _settings is None:
+        _settings = Settings.from_environ(os.environ)
+    return _settings
+
+
+def reload() -> Settings:
+    """Read the environment again (tests that change it)."""
+    global _settings
+    _settings = None
+    return settings()
 
 
 def cache_dir() -> Path:
-    """Where the default model is built: ``PAGEDSERVE_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/pagedserve``, else ``~/.cache/pagedserve``."""
-    explicit = os.environ.get("PAGEDSERVE_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "pagedserve"
+    """Where the default model (and, by default, the CPU kernels) are built."""
+    return settings().cache_dir
 
 
-def cpu_isa_cap() -> str | None:
-    """``PAGEDSERVE_CPU_ISA``: run as on a CPU of this class at most (``kernels/cpu_isa.py``:
-    generic, avx2, avx512, avx512_bf16, amx), to measure a lower class on a higher machine."""
-    from kernels.cpu_isa import CLASSES
-
-    value = os.environ.get("PAGEDSERVE_CPU_ISA", "").strip().lower() or None
-    if value is not None and value not in CLASSES:
-        raise ValueError(f"PAGEDSERVE_CPU_ISA must be one of {', '.join(CLASSES)}, got {value!r}")
-    return value
+def configure_kernels(device: DeviceConfig) -> None:
+    """Hand the device section's kernel switches and the ISA cap to ``kernels.settings``."""
+    s = settings()
+    kernel_settings.configure(
+        cpu_kernels=device.cpu_kernels, packed_gemm=device.cpu_packed_gemm,
+        build_dir=device.kernel_build_dir or s.cache_dir / "kernels", isa_cap=s.cpu_isa,
+        clear_cap=s.cpu_isa is None)

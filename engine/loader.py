@@ -17,6 +17,8 @@ from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
+from engine import envs
+
 logger = logging.getLogger(__name__)
 
 _PICKLED = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -155,9 +157,10 @@ def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device,
     table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     on_cpu = device.type == "cpu"
     if on_cpu and native_bf16 is None:
+        from kernels.cpu_isa import isa_class
         from kernels.cpu_isa import native_bf16 as probe
 
-        native_bf16 = probe()
+        native_bf16 = probe(isa_class(cap=envs.settings().cpu_isa))
     if name != "auto":
         if on_cpu and name in ("bfloat16", "float16") and not native_bf16:
             logger.warning("dtype=%s on a CPU without native bfloat16 (AVX512-BF16 or AMX): its "

@@ -98,6 +98,11 @@ class Request:
             self.status = RequestStatus.FINISHED_LENGTH
         return self.finished
 
+    def stop_at_string(self, stop_str: str) -> None:
+        """A stop string completed with the last token: the sequence is finished."""
+        self.status = RequestStatus.FINISHED_STOPPED
+        self.stop_reason = stop_str
+
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, blocks={self.block_ids}, {self.status.value})")

@@ -4,9 +4,13 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from engine.models.hf_config import HFConfig, check_no_remote_code
+
+PromptType = str | Sequence[int] | dict[str, Any]
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
@@ -57,3 +61,33 @@ def eos_token_ids(model_path: str, hf: HFConfig, tokenizer) -> set[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
+
+
+def encode_prompt(tokenizer: Any, prompt: PromptType, vocab_size: int, max_model_len: int,
+                  ) -> tuple[str | None, list[int]]:
+    """A prompt (text, token ids, or a dict with 'prompt' or 'prompt_token_ids') as its text
+    (None for ids) and token ids, checked: ``ValueError`` naming the problem."""
+    text = None
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            prompt = prompt["prompt_token_ids"]
+        elif "prompt" in prompt:
+            prompt = prompt["prompt"]
+        else:
+            raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        text, ids = prompt, list(tokenizer.encode(prompt))
+    else:
+        ids = list(prompt)
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab_size - 1}], "
+                             f"got {bad[:5]}")
+    if not ids:
+        raise ValueError("prompt must not be empty")
+    if len(ids) >= max_model_len:
+        raise ValueError(f"prompt is {len(ids)} tokens long; max_model_len is {max_model_len}, "
+                         f"so prompts may have at most {max_model_len - 1} tokens")
+    return text, ids

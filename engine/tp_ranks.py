@@ -6,8 +6,8 @@ the offline ``LLM``; the serving layer injects one that starts Ray actors), wait
 connected, then joins the group with them. Each other rank runs ``run_rank``: join the group,
 load its shard, then run the steps rank 0 broadcasts until rank 0 sends the exit message.
 
-Stopping: ``LLMEngine.shutdown`` sends the exit message (unless a step broke off half-way) and
-calls ``RankGroup.stop``, which waits for the ranks and kills any that linger. Spawned processes
+Stopping: ``stop_ranks`` (from ``LLMEngine.shutdown``) sends the exit message (unless a step
+broke off half-way) and calls ``RankGroup.stop``, which waits for the ranks and kills any that linger. Spawned processes
 are daemons, are stopped by an ``atexit`` hook, ignore Ctrl-C (rank 0 handles it and stops
 them) and exit on their own when rank 0's process dies (a thread watches it).
 """
@@ -22,12 +22,23 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from engine.config import EngineConfig
-from engine.distributed import client_store, destroy_tp_group, init_tp_group, master_store
+from engine.distributed import (
+    check_tp_sizes,
+    client_store,
+    destroy_tp_group,
+    init_tp_group,
+    master_store,
+    tp_size,
+)
+
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
+    from engine.models.hf_config import HFConfig
 
 START_TIMEOUT_S = 600.0  # for every rank to connect (Ray may first have to place the actors)
 
@@ -54,7 +65,7 @@ def run_rank(spec: RankSpec) -> None:
 
     device = torch.device(spec.device)
     if device.type == "cpu":
-        torch.set_num_threads(_cpu_threads(spec.config, spec.world_size))
+        torch.set_num_threads(spec.config.device.cpu_threads(share=spec.world_size))
     store = client_store(spec.host, spec.port, spec.world_size)
     store.set(f"rank{spec.rank}", "up")
     init_tp_group(store, spec.rank, spec.world_size, device)
@@ -65,10 +76,6 @@ def run_rank(spec: RankSpec) -> None:
         runner.serve_steps()
     finally:
         destroy_tp_group()
-
-
-def _cpu_threads(config: EngineConfig, world_size: int) -> int:
-    return config.device.num_threads or max(1, (os.cpu_count() or 1) // world_size)
 
 
 class RankLauncher(Protocol):
@@ -129,6 +136,39 @@ class RankGroup:
         self.launcher.stop(timeout_s)
         destroy_tp_group()
         self.store = None
+
+
+def check_tp_start(world_size: int, hf: HFConfig) -> None:
+    """Before anything loads: the model divides over ``world_size`` ranks, and no other
+    tensor-parallel engine runs in this process (``ValueError`` / ``RuntimeError``)."""
+    if world_size > 1:
+        check_tp_sizes(world_size, num_heads=hf.num_heads, num_kv_heads=hf.num_kv_heads,
+                       vocab_size=hf.vocab_size, intermediate_size=hf.intermediate_size)
+    elif tp_size() != 1:
+        raise RuntimeError("a tensor-parallel engine runs in this process; shut it down "
+                           "before starting another engine here (one per process)")
+
+
+def start_ranks(launcher: RankLauncher | None, config: EngineConfig, device: torch.device,
+                model_path: str, dtype: torch.dtype, max_model_len: int) -> RankGroup:
+    """Start ranks 1..N-1 (default launcher: local processes) and join them as rank 0."""
+    return RankGroup.start(
+        launcher or ProcessLauncher(), config.parallel.tensor_parallel_size, device,
+        config=config, model_path=model_path, dtype=str(dtype).removeprefix("torch."),
+        max_model_len=max_model_len)
+
+
+def stop_ranks(ranks: RankGroup, runner: ModelRunner | None, send_exit: bool) -> None:
+    """Rank 0: tell the ranks to exit when they can still hear it (``send_exit``, and no step
+    broke off half-way), else kill them; leave the group."""
+    told = send_exit and runner is not None and not runner.tp_broken
+    if told:
+        assert runner is not None
+        try:
+            runner.send_exit()
+        except Exception:  # a rank is already gone: stop() kills the rest
+            told = False
+    ranks.stop(timeout_s=30.0 if told else 0.0)
 
 
 class ProcessLauncher:

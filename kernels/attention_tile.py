@@ -12,6 +12,32 @@ from kernels._triton import tl, triton
 
 
 @triton.jit
+def load_rows(ptr, row_offs, row_valid, head_size, D_PAD: tl.constexpr, FP32: tl.constexpr):
+    """[BLOCK_M, D_PAD] rows at ``ptr + row_offs`` (zeros past ``head_size`` and in rows that
+    are not valid), upcast to float32 when ``FP32``."""
+    dims = tl.arange(0, D_PAD)
+    mask = row_valid[:, None] & (dims[None, :] < head_size)
+    x = tl.load(ptr + row_offs[:, None] + dims[None, :], mask=mask, other=0.0)
+    if FP32:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head_offset, pos, in_range,
+                  dims, dim_ok, stride_cb, stride_co, BLOCK_SIZE: tl.constexpr):
+    """The keys and values at key positions ``pos`` (zeros where not ``in_range``), each
+    gathered from its cache block through the block table."""
+    block = tl.load(block_table_ptr + pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+    offs = block * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_co + kv_head_offset
+    kv_ptrs = offs[:, None] + dims[None, :]
+    kv_mask = in_range[:, None] & dim_ok
+    k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
 def attend_range(
     q,  # [BLOCK_M, D_PAD] query rows (fp32 when FP32_DOT, else the cache dtype)
     q_pos,  # [BLOCK_M] int position of each query row; key positions <= q_pos are visible
@@ -40,12 +66,8 @@ def attend_range(
     for start in range(kv_start, kv_end, TILE_N):
         pos = start + tl.arange(0, TILE_N)
         in_range = pos < kv_end
-        block = tl.load(block_table_ptr + pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
-        offs = block * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_co + kv_head_offset
-        kv_ptrs = offs[:, None] + dims[None, :]
-        kv_mask = in_range[:, None] & dim_ok
-        k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head_offset, pos,
+                             in_range, dims, dim_ok, stride_cb, stride_co, BLOCK_SIZE)
         if FP32_DOT:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:

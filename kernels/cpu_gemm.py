@@ -7,7 +7,8 @@ The prepacked product gives the same bits as ``F.linear``. Used for bfloat16 wei
 AVX512-BF16 or AMX, and for float32 weights on every CPU: there ``F.linear`` goes to MKL's sgemm,
 and oneDNN's prepacked product is 1.3-2.8x faster on decode shapes (the 0.5B model's LM head,
 [16, 896] x [896, 151936]: 118 ms -> 43 ms capped to AVX2, 133 -> 30 ms with AVX-512; its
-results match to float32 rounding, not bit for bit). ``PAGEDSERVE_CPU_PACKED_GEMM=0`` turns it off.
+results match to float32 rounding, not bit for bit). The ``packed_gemm`` switch of
+``kernels.settings`` (the engine's ``cpu_packed_gemm``) turns it off.
 
 oneDNN builds (JIT-compiles) a kernel for every new row count M, 0.3-0.5 ms each; a serving
 engine meets a new M in most steps (decodes plus prompt chunks of any length), and oneDNN keeps
@@ -17,17 +18,15 @@ at most 7 or 63 extra rows), and ``warm_up`` builds the small buckets' kernels a
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from kernels import cpu_isa
+from kernels import cpu_isa, settings
 
 _PACK_BATCH_HINT = 64  # oneDNN picks its blocking for this M; any M runs on the result
 
 
 def packing_supported(weight: torch.Tensor) -> bool:
-    if os.environ.get("PAGEDSERVE_CPU_PACKED_GEMM", "1") == "0":
+    if not settings.current().packed_gemm:
         return False
     if weight.device.type != "cpu" or weight.dim() != 2 or not torch.backends.mkldnn.is_available():
         return False

@@ -11,14 +11,17 @@ Classes, lowest first:
 | ``avx512_bf16`` | AVX512-BF16 dot products (AMD Zen 4/5, Intel Cooper Lake) | native |
 | ``amx`` | AMX-BF16 tiles (Intel Sapphire Rapids and later) | native |
 
-``PAGEDSERVE_CPU_ISA`` caps the class (``engine/envs.py``): the C kernels are then built for it
-and ``dtype="auto"`` chooses as on such a CPU. oneDNN, MKL and ATen have their own caps, read
+A cap lowers the class (``kernels.settings``' ``isa_cap``, which the engine sets from
+``PAGEDSERVE_CPU_ISA``): the C kernels are then built for it and ``dtype="auto"`` chooses as on
+such a CPU. oneDNN, MKL and ATen have their own caps, read
 once when the process starts; ``isa_env`` gives all four for a process measuring a class.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
+
+from kernels import settings
 
 CLASSES = ("generic", "avx2", "avx512", "avx512_bf16", "amx")
 _NEEDS = {  # /proc/cpuinfo flags each class needs
@@ -65,11 +68,9 @@ def detect(flags: frozenset[str] | set[str]) -> str:
 
 def isa_class(flags: frozenset[str] | set[str] | None = None, cap: str | None = None) -> str:
     """This machine's class (or the one of ``flags``), lowered to ``cap`` (default: the
-    ``PAGEDSERVE_CPU_ISA`` setting)."""
+    configured ``isa_cap`` of ``kernels.settings``)."""
     if cap is None:
-        from engine import envs  # here: engine imports kernels at module level
-
-        cap = envs.cpu_isa_cap()
+        cap = settings.current().isa_cap
     found = detect(cpu_flags() if flags is None else flags)
     if cap is not None and CLASSES.index(cap) < CLASSES.index(found):
         return cap

@@ -6,14 +6,16 @@ and the KV-cache store, each one pass over memory. AVX-512 loops where the CPU h
 (auto-vectorised) elsewhere; float32 and bfloat16.
 
 The sources are compiled on first use with the system C compiler (``$CC``, else ``cc``) for this
-machine's CPU (``-O3 -march=native -fopenmp``) into ``<cache dir>/kernels/<hash>/``, keyed by the
+machine's CPU (``-O3 -march=native -fopenmp``) into ``<build dir>/<hash>/``, keyed by the
 sources, the flags and the CPU's feature flags; concurrent builders (several Ray workers) each
 write a temporary file and rename it into place. The library is loaded with ctypes after torch,
 so its OpenMP regions run on the libgomp torch already loaded (one thread pool), and ctypes
 releases the GIL during a call.
 
-Without a compiler, or with ``PAGEDSERVE_CPU_KERNELS=0``, ``available()`` is False and
-``kernels.ops`` uses the pure-torch references instead (one warning in the log).
+Without a compiler, or with the ``cpu_kernels`` switch off (``kernels.settings``; the engine's
+``cpu_kernels`` device setting, ``PAGEDSERVE_CPU_KERNELS=0``), ``available()`` is False and
+``kernels.ops`` uses the pure-torch references instead (one warning in the log when there is no
+compiler).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_isa
+from kernels import cpu_isa, settings
 
 logger = logging.getLogger(__name__)
 
@@ -67,13 +69,11 @@ def compile_flags(isa: str | None = None) -> list[str]:
 
 def library_path(isa: str | None = None) -> Path:
     """Where the built library for these sources, compiler flags and CPU lives."""
-    from engine import envs  # here: importing engine at module level would be circular
-
     flags = " ".join(compile_flags(isa))
     digest = hashlib.sha256(flags.encode() + " ".join(sorted(cpu_isa.cpu_flags())).encode())
     for path in SOURCES + HEADERS:
         digest.update(path.read_bytes())
-    return envs.cache_dir() / "kernels" / digest.hexdigest()[:16] / "libpagedserve_cpu.so"
+    return settings.current().build_dir / digest.hexdigest()[:16] / "libpagedserve_cpu.so"
 
 
 def build(isa: str | None = None) -> Path:
@@ -119,8 +119,7 @@ def _load() -> ctypes.CDLL | None:
         if _tried:
             return _lib
         try:
-            if os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") != "0":
-                _lib = load()
+            _lib = load()
         except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
             logger.warning("CPU kernels unavailable, using the torch references: %s", e)
         _tried = True
@@ -128,14 +127,15 @@ def _load() -> ctypes.CDLL | None:
 
 
 def _library() -> ctypes.CDLL:
-    lib = _lib or _load()
+    lib = (_lib or _load()) if settings.current().cpu_kernels else None
     if lib is None:
         raise RuntimeError("CPU kernels are not available (see the log); check available() first")
     return lib
 
 
 def available() -> bool:
-    return _load() is not None
+    """Whether the C kernels are switched on (``kernels.settings``) and built."""
+    return settings.current().cpu_kernels and _load() is not None
 
 
 def _check(rc: int, name: str) -> None:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import interpreting, next_power_of_2, tl, triton
-from kernels.attention_tile import attend_range
+from kernels.attention_tile import attend_range, load_rows
 
 
 def gather_kv_ref(cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -170,11 +170,8 @@ def _paged_attention_kernel(
     head = kv_head * GROUP + rows % GROUP
     row_valid = (rows // GROUP < BLOCK_Q) & (q_tok < q_len)
     token = (q_start + q_tok).to(tl.int64)
-    dims = tl.arange(0, D_PAD)
-    mask = row_valid[:, None] & (dims[None, :] < head_size)
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=mask, other=0.0)
-    if FP32_DOT:
-        q = q.to(tl.float32)
+    q = load_rows(q_ptr, token * stride_qt + head * stride_qh, row_valid, head_size, D_PAD,
+                  FP32_DOT)
     kv_end = tl.minimum(context + (local + 1) * BLOCK_Q, seq_len)
     acc, m_i, l_i = attend_range(
         q, context + q_tok, row_valid, k_cache_ptr, v_cache_ptr,
@@ -183,7 +180,9 @@ def _paged_attention_kernel(
         BLOCK_M, TILE_N, D_PAD, BLOCK_SIZE, FP32_DOT,
     )
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    dims = tl.arange(0, D_PAD)
     out_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+    mask = row_valid[:, None] & (dims[None, :] < head_size)
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -256,6 +255,16 @@ def paged_attention_triton(
         launch_split(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                      max_seq_len, partition_size, common)
         return out
+    _launch_mixed(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                  max_query_len, common)
+    return out
+
+
+def _launch_mixed(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                  max_query_len: int, common: dict) -> None:
+    """The one-pass kernel over a mixed batch: a program per block of query rows and kv head."""
+    tokens, num_q_heads, head_size = query.shape
+    num_seqs, num_kv_heads = block_tables.shape[0], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     block_m = max(16 if max_query_len == 1 else 64, next_power_of_2(group))
     block_q = block_m // group
@@ -269,7 +278,6 @@ def paged_attention_triton(
         D_PAD=common["D_PAD"], BLOCK_SIZE=k_cache.shape[1], FP32_DOT=common["FP32_DOT"],
         num_warps=4 if block_m <= 16 else 8 if head_size > 128 else 4,
     )
-    return out
 
 
 def _common_launch_args(query: torch.Tensor, k_cache: torch.Tensor, scale: float) -> dict:

@@ -13,7 +13,7 @@ import functools
 import torch
 
 from kernels._triton import next_power_of_2, tl, triton
-from kernels.attention_tile import attend_range
+from kernels.attention_tile import attend_range, load_rows
 
 DEFAULT_PARTITION = 512
 MAX_SPLITS = 64
@@ -53,11 +53,8 @@ def _split_kernel(
     # No rows for a sequence without a query token (a scalar condition kept out of the block
     # mask: Triton 3.9's interpreter rejects a block mask and-ed with a scalar comparison).
     row_valid = rows < tl.where(q_len > 0, GROUP, 0)
-    dims = tl.arange(0, D_PAD)
-    mask = row_valid[:, None] & (dims[None, :] < head_size)
-    q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=mask, other=0.0)
-    if FP32_DOT:
-        q = q.to(tl.float32)
+    q = load_rows(q_ptr, token * stride_qt + head * stride_qh, row_valid, head_size, D_PAD,
+                  FP32_DOT)
     kv_start = split * PARTITION
     kv_end = tl.minimum(kv_start + PARTITION, seq_len)
     acc, m_i, l_i = attend_range(
@@ -68,6 +65,7 @@ def _split_kernel(
     )
     part = (seq * num_q_heads + head) * NUM_SPLITS + split  # [BLOCK_M]
     keep = rows < GROUP
+    dims = tl.arange(0, D_PAD)
     tl.store(part_acc_ptr + part[:, None] * D_PAD + dims[None, :], acc, mask=keep[:, None])
     tl.store(part_ml_ptr + part * 2, m_i, mask=keep)
     tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=keep)

@@ -9,7 +9,6 @@ coerces them; an unknown key or a bad value is a ``ValueError`` at start-up.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -217,11 +216,9 @@ class AppConfig(BaseModel):
         0.38x vLLM's tokens/s."""
         if self.engine.device.num_threads is not None:
             return self.engine.device.num_threads
-        if cores is None:
-            cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                     else os.cpu_count() or 1)
         workers = self.num_workers if self.autoscaling is None else self.autoscaling.max_replicas
-        return max(1, int(self.worker_num_cpus), cores // workers)
+        return max(int(self.worker_num_cpus),
+                   self.engine.device.cpu_threads(share=workers, cores=cores))
 
 
 def _flat_engine(engine: Any) -> dict[str, Any]:

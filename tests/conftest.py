@@ -21,6 +21,19 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _kernel_settings_restored():
+    """An engine sets the process's kernel switches from its config (kernels.settings); each
+    test starts from the switches the previous one found, whatever engines it built."""
+    from kernels import settings
+
+    before = settings.current()
+    yield
+    settings.configure(cpu_kernels=before.cpu_kernels, packed_gemm=before.packed_gemm,
+                       build_dir=before.build_dir, isa_cap=before.isa_cap,
+                       clear_cap=before.isa_cap is None)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

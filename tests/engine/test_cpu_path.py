@@ -32,9 +32,8 @@ def test_bfloat16_fast_path_agrees_with_the_torch_path(tmp_path, monkeypatch):
               if isinstance(m, LinearBase)]
     if cpu_gemm.packing_supported(torch.empty(1, 1, dtype=torch.bfloat16)):
         assert packed and all(packed)
-    monkeypatch.setenv("PAGEDSERVE_CPU_PACKED_GEMM", "0")
     with ops.backend("reference"):
-        slow, slow_out = _generate(path)
+        slow, slow_out = _generate(path, cpu_packed_gemm=False)
         assert not any(m.packed is not None for m in slow.engine.runner.model.modules()
                        if isinstance(m, LinearBase))
     for f, s in zip(fast_out, slow_out, strict=True):

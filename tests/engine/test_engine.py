@@ -275,7 +275,7 @@ def test_memory_profiling_forward_runs_over_a_full_token_budget(ckpt):
     runner = llm.engine.runner
     runner._profile_run()
     assert runner.kv_cache is None
-    runner._bind_kv_cache(runner.num_blocks)
+    runner.kv.bind(runner.num_blocks)
     out = llm.generate(as_inputs(PROMPTS[:1]), GREEDY, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 24
 

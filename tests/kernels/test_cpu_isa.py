@@ -11,6 +11,8 @@ import shutil
 import pytest
 import torch
 
+from engine import envs
+from engine.config import DeviceConfig
 from engine.loader import resolve_dtype
 from kernels import cpu_isa
 from kernels import cpu_kernels as cpu
@@ -34,13 +36,18 @@ def test_class_from_flags(flags, isa):
 
 
 def test_the_cap_comes_from_the_environment(monkeypatch):
+    # read once into the engine's settings, handed to kernels.settings by configure_kernels
     monkeypatch.setenv("PAGEDSERVE_CPU_ISA", "generic")
+    envs.reload()
+    envs.configure_kernels(DeviceConfig())
     assert cpu_isa.isa_class(SAPPHIRE_RAPIDS) == "generic"
     assert cpu_isa.march_flags() == ["-march=x86-64", "-mtune=generic"]
     monkeypatch.setenv("PAGEDSERVE_CPU_ISA", "avx3")
     with pytest.raises(ValueError, match="PAGEDSERVE_CPU_ISA must be one of generic, avx2"):
-        cpu_isa.isa_class()
+        envs.reload()
     monkeypatch.delenv("PAGEDSERVE_CPU_ISA")
+    envs.reload()
+    envs.configure_kernels(DeviceConfig())
     assert cpu_isa.isa_class() == cpu_isa.detect(cpu_isa.cpu_flags())
     assert cpu_isa.march_flags() == ["-march=native"]
 

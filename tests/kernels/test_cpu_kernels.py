@@ -154,10 +154,16 @@ def test_auto_backend_takes_the_c_kernels_and_reference_forces_torch(monkeypatch
 
 
 def test_disabled_c_kernels_fall_back_to_torch():
+    # PAGEDSERVE_CPU_KERNELS=0 is the default of the engine's cpu_kernels switch, which the
+    # engine hands to kernels.settings
     code = (
         "import torch\n"
+        "from engine import envs\n"
+        "from engine.config import DeviceConfig\n"
         "from kernels import cpu_kernels, ops\n"
         "from kernels.activation import silu_and_mul_ref\n"
+        "assert cpu_kernels.settings.current().cpu_kernels\n"
+        "envs.configure_kernels(DeviceConfig())\n"
         "assert not cpu_kernels.available()\n"
         "x = torch.randn(3, 8)\n"
         "assert torch.equal(ops.silu_and_mul(x), silu_and_mul_ref(x))\n"
@@ -170,14 +176,16 @@ def test_missing_compiler_warns_and_falls_back(tmp_path):
     code = (
         "import logging, torch\n"
         "logging.basicConfig(level=logging.WARNING)\n"
-        "from kernels import cpu_kernels, ops\n"
+        "import sys\n"
+        "from kernels import cpu_kernels, ops, settings\n"
+        "settings.configure(build_dir=sys.argv[1])\n"
         "assert not cpu_kernels.available()\n"
         "x = torch.randn(3, 8)\n"
         "assert ops.rms_norm(x, torch.ones(8), 1e-6).shape == (3, 8)\n"
     )
-    env = dict(os.environ, CC="no-such-compiler", PAGEDSERVE_CACHE_DIR=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, timeout=120,
-                          capture_output=True, text=True)
+    env = dict(os.environ, CC="no-such-compiler")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, env=env,
+                          timeout=120, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "CPU kernels unavailable" in proc.stderr and "no-such-compiler" in proc.stderr
 

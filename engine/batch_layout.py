@@ -1,0 +1,59 @@
+"""A step's flat batch on the host: every scheduled request's new tokens laid end to end.
+
+``input_ids`` and ``positions`` ``[T]``, the cache ``slot_mapping`` ``[T]``, ``block_tables``
+``[B, max_blocks]``, ``seq_lens`` and ``query_start_loc`` (cu_seqlens of the queries). Logits are
+computed only for the last token of requests whose new tokens reach the end of their sequence:
+``sample_idx`` are those rows, ``sample_reqs`` their requests.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from engine.request import Request
+from engine.scheduler import SchedulerOutput
+
+
+class HostBatch(NamedTuple):
+    """One step laid out on the host, before it goes to the device."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    block_tables: np.ndarray  # [B, max_blocks] int32
+    seq_lens: np.ndarray  # [B] int32
+    query_start_loc: np.ndarray  # [B + 1] int32
+    max_query_len: int
+    sample_idx: list[int]  # rows of the hidden states that get logits
+    sample_reqs: list[Request]
+
+
+def lay_out(sched: SchedulerOutput, block_size: int) -> HostBatch:
+    """``sched``'s new tokens as one flat batch."""
+    bs = block_size
+    ids: list[int] = []
+    positions, slots = [], []
+    seq_lens, q_starts = [], [0]
+    sample_idx: list[int] = []
+    sample_reqs: list[Request] = []
+    max_blocks = max(len(r.block_ids) for r, _ in sched.scheduled)
+    tables = np.zeros((len(sched.scheduled), max_blocks), dtype=np.int32)
+    for b, (req, n) in enumerate(sched.scheduled):
+        start, end = req.num_computed_tokens, req.num_computed_tokens + n
+        ids.extend(req.all_token_ids[start:end])
+        table = np.asarray(req.block_ids, dtype=np.int64)
+        tables[b, : len(table)] = table
+        pos = np.arange(start, end)
+        positions.append(pos)
+        slots.append(table[pos // bs] * bs + pos % bs)
+        seq_lens.append(end)
+        q_starts.append(q_starts[-1] + n)
+        if end == req.num_tokens:
+            sample_idx.append(q_starts[-1] - 1)
+            sample_reqs.append(req)
+    return HostBatch(np.array(ids, dtype=np.int64), np.concatenate(positions),
+                     np.concatenate(slots), tables, np.array(seq_lens, dtype=np.int32),
+                     np.array(q_starts, dtype=np.int32), max(n for _, n in sched.scheduled),
+                     sample_idx, sample_reqs)

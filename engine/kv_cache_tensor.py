@@ -1,0 +1,81 @@
+"""The KV cache's memory (the block bookkeeping is ``kv_cache_manager.py``'s): its size, the
+tensor, and each attention layer's views of it.
+
+One tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``; layer ``l``
+holds ``k_cache = kv[l, 0]`` and ``v_cache = kv[l, 1]``, each contiguous, so one block of one
+layer's keys is one run of memory (gathers on the CPU copy whole blocks). Sized from
+``kv_cache_memory_bytes`` (CPU default 1 GiB) or, on CUDA, from measured free memory and
+``gpu_memory_utilization`` after a profiling forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from engine.config import CacheConfig
+from engine.distributed import all_reduce_min
+
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+def kv_budget_bytes(cache: CacheConfig, device: torch.device,
+                    profile_forward: Callable[[], None]) -> int:
+    """The bytes the cache may take: ``kv_cache_memory_bytes`` when set; on the CPU 1 GiB; on
+    CUDA what is left of ``gpu_memory_utilization`` of the device after the weights and the
+    activation peak of ``profile_forward`` (a forward over a full token budget)."""
+    if cache.kv_cache_memory_bytes is not None:
+        return cache.kv_cache_memory_bytes
+    if device.type != "cuda":
+        return DEFAULT_CPU_KV_BYTES
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    profile_forward()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    activation_peak = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
+    return int(total * cache.gpu_memory_utilization - (total - free) - activation_peak)
+
+
+class KVCacheTensor:
+    def __init__(self, attn_layers: Sequence[Any], block_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.layers = list(attn_layers)
+        self.block_size, self.dtype, self.device = block_size, dtype, device
+        self.tensor: torch.Tensor | None = None
+
+    def bytes_per_block(self) -> int:
+        """One block of every layer's keys and values."""
+        attn = self.layers[0]
+        per_layer = 2 * self.block_size * attn.num_kv_heads * attn.head_dim
+        return per_layer * len(self.layers) * self.dtype.itemsize
+
+    def bind(self, num_blocks: int) -> None:
+        """A zeroed cache of ``num_blocks`` blocks, viewed by every layer."""
+        attn = self.layers[0]
+        shape = (len(self.layers), 2, num_blocks, self.block_size, attn.num_kv_heads,
+                 attn.head_dim)
+        self.tensor = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.layers):
+            layer.k_cache = self.tensor[i, 0]
+            layer.v_cache = self.tensor[i, 1]
+
+    def release(self) -> None:
+        self.tensor = None
+
+    def allocate(self, budget_bytes: int, max_model_len: int) -> int:
+        """Bind as many blocks as ``budget_bytes`` holds (the smallest over the ranks); returns
+        the count. ``ValueError`` when one ``max_model_len`` sequence does not fit."""
+        per_block = self.bytes_per_block()
+        num_blocks = all_reduce_min(budget_bytes // per_block, self.device)
+        needed_blocks = -(-max_model_len // self.block_size)
+        if num_blocks < needed_blocks:
+            raise ValueError(
+                f"KV cache too small: {max(num_blocks, 0)} blocks of {self.block_size} tokens "
+                f"hold fewer than max_model_len={max_model_len} tokens; one sequence needs "
+                f"{needed_blocks * per_block} bytes (kv_cache_memory_bytes or "
+                "gpu_memory_utilization), or lower max_model_len")
+        self.bind(num_blocks)
+        return num_blocks
