@@ -630,13 +630,15 @@ def resolve_cpu(args) -> None:
     flags every JSON line carries, so each figure says which machine class it is from."""
     import torch
 
+    from engine import envs
     from engine.loader import resolve_dtype
     from kernels import cpu_isa
 
     if args.dtype == "auto":
         args.dtype = str(resolve_dtype("auto", "bfloat16", torch.device("cpu"))).split(".")[1]
     flags = cpu_isa.cpu_flags()
-    args.cpu = {"class": cpu_isa.isa_class(), "machine_class": cpu_isa.detect(flags),
+    args.cpu = {"class": cpu_isa.isa_class(cap=envs.settings().cpu_isa),
+                "machine_class": cpu_isa.detect(flags),
                 "flags": sorted(f for f in flags if f.startswith(("avx", "amx", "fma")))}
 
 

@@ -3,7 +3,7 @@
 # dependency) on the same model and the same load, measured with the same client
 # (load_tests/serving_benchmark.py). Loopback only. Usage:
 #   VLLM_PY=/tmp/vllm-venv/bin/python [ROUNDS=3] [RATE=40] [PROXY=1] [APP_ARGS="k=v ..."] [PLOT=f.png] \
-#     load_tests/serve_vs_vllm.sh [MODEL_DIR] [NUM_PROMPTS] [CONCURRENCY]
+#     [ISA=avx2] load_tests/serve_vs_vllm.sh [MODEL_DIR] [NUM_PROMPTS] [CONCURRENCY]
 # MODEL_DIR defaults to the default model. Both servers run at once (each idles at ~1% of a
 # core while the other is measured); after a warm-up of each, ROUNDS rounds alternate between
 # them (the order flips every round), so the drift of a shared machine hits both alike. One JSON
@@ -12,7 +12,8 @@
 # (RAY_SERVE_ENABLE_HA_PROXY=0) after vLLM has stopped. APP_ARGS go to build_app (e.g.
 # "max_batch_size=1 batch_wait_ms=0" for one handle call per request). PLOT=file.png draws each
 # run's tokens/s and p50 TTFT by server (load_tests/compare_runs.py, which also prints the
-# summary).
+# summary). ISA=CLASS runs both servers as on a CPU of that class at most (kernels/cpu_isa.py:
+# this project's C kernels, oneDNN, MKL and ATen capped; vLLM's own C++ kernels ignore the caps).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -22,6 +23,11 @@ C=${3:-64}
 VLLM_PY=${VLLM_PY:-/tmp/vllm-venv/bin/python}
 VLLM_CLI=${VLLM_CLI:-../shared/peer/vllm_cli.py}
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+if [ -n "${ISA:-}" ]; then  # both servers (and the dtype choice below) see the caps
+  CAPS=$($PY -c "import sys; from kernels.cpu_isa import isa_env
+print(' '.join(f'{k}={v}' for k, v in isa_env(sys.argv[1]).items()))" "$ISA")
+  for kv in $CAPS; do export "${kv?}"; done
+fi
 # the dtype the app's dtype=auto takes for this checkpoint on this CPU: vLLM runs the same
 DTYPE=$($PY -c "import sys, torch; from engine.loader import resolve_dtype
 from engine.models.hf_config import HFConfig

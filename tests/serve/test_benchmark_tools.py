@@ -43,3 +43,30 @@ def test_summary_pairs_rounds():
     assert s["ratio_output_throughput"] == (3000 / 2500 + 3000 / 2000) / 2
     assert s["ratio_ttft_ms_p50"] == (0.5 + 1.5) / 2
     assert "ratio_tpot_ms_p50" not in s
+
+
+def _offline(backend: str, tok_s: float, isa: str, dtype: str = "float32") -> str:
+    return json.dumps({"backend": backend, "model": "tiny", "output_tok_s": tok_s,
+                       "dtype": dtype, "cpu": {"class": isa, "machine_class": "avx512_bf16"}})
+
+
+def test_class_table_groups_offline_runs_by_class_and_dtype(tmp_path):
+    import class_table
+
+    lines = [_offline("engine", 1800.0, "avx2"), _offline("vllm", 1500.0, "avx2"),
+             _offline("engine", 1900.0, "avx2"), _offline("vllm", 1400.0, "avx2"),
+             _offline("engine", 2000.0, "avx512"), "### a heading", '{"ratios": {}}',
+             _offline("engine", 2600.0, "avx512_bf16", "bfloat16"),
+             _offline("vllm", 2000.0, "avx512_bf16", "bfloat16")]
+    table = class_table.rows(class_table.load(lines))
+    assert table == [
+        {"model": "tiny", "class": "avx2", "dtype": "float32", "runs": 2,
+         "pagedserve": 1850.0, "vllm": 1450.0, "ratio": 1.28},
+        {"model": "tiny", "class": "avx512", "dtype": "float32", "runs": 1,
+         "pagedserve": 2000.0, "vllm": None, "ratio": None},
+        {"model": "tiny", "class": "avx512_bf16", "dtype": "bfloat16", "runs": 1,
+         "pagedserve": 2600.0, "vllm": 2000.0, "ratio": 1.3}]
+    assert "| tiny | avx2 | float32 | 1850.0 | 1450.0 | 1.28x | 2 |" in class_table.markdown(table)
+    out = tmp_path / "classes.png"
+    class_table.plot(table, str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
