@@ -1,16 +1,14 @@
-"""The Router's dynamic batcher and the fan-out of Worker messages to per-request queues.
+"""The Router's dynamic batcher, and the records it batches.
 
-``DynamicBatcher.submit`` queues an ``EngineRequest``; a batch is sent when ``max_batch_size``
-requests wait or ``batch_wait_s`` has passed since the oldest. ``send_batch`` (the Router's
-``WorkerClient.run_batch``) streams the Worker's per-step messages and puts each request's part
-on its ``events`` queue as ``(request, event)`` (the requests of one HTTP call may share one
-queue), where ``event`` is one of:
+``DynamicBatcher.submit`` queues ``EngineRequest``s; a ``Batch`` is sent when
+``max_batch_size`` requests wait or ``batch_wait_s`` has passed since the oldest (sooner when no
+batch is on its way to a Worker, see the class). The sink that sends it (the Router's
+``WorkerClient.run_batch``) streams the Worker's answer and hands each request the parts meant
+for it (``serve_app.wire``).
 
-    ("t", index, token_ids, finish_reason, logprobs)   new tokens of sequence ``index``
-    ("done", num_prompt_tokens, num_cached_tokens)      the request is finished at the Worker
-    ("err", status, message)                           it failed (no more events follow)
-
-This module knows nothing about HTTP or Ray, so it is tested with a fake Worker.
+The two records change state only through their own methods: the Worker client, the Router
+and the response streams read their fields and call these. This module knows nothing about
+HTTP or Ray, so it is tested with a fake Worker.
 """
 
 from __future__ import annotations
@@ -18,44 +16,90 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.sampling_params import SamplingParams
+from serve_app.wire import DonePart, ErrorPart, Part, WorkerRequest
 
-Event = tuple
+BatchSink = Callable[["Batch"], Coroutine[Any, Any, None]]
 
 
 @dataclass(eq=False)
 class EngineRequest:
-    """One prompt on its way through a Worker; the HTTP handler reads ``events``."""
+    """One prompt on its way through a Worker.
+
+    Its handler reads ``events``: ``(request, part)`` for each part the Worker sent about it
+    (the requests of one HTTP call may share one queue), up to a ``DonePart`` or an
+    ``ErrorPart``, which is the last.
+    """
 
     prompt_token_ids: list[int]
     params: SamplingParams
     prefix_hashes: list[int] = field(default_factory=list)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    events: asyncio.Queue[tuple[EngineRequest, Event]] = field(default_factory=asyncio.Queue)
-    replica: str | None = None
-    routed: asyncio.Event = field(default_factory=asyncio.Event)
+    events: asyncio.Queue[tuple[EngineRequest, Part]] = field(default_factory=asyncio.Queue)
+    replica: str | None = None  # the Worker replica that holds it, once routed
+    routed: asyncio.Event = field(default_factory=asyncio.Event)  # routed, or over
     submitted_at: float = field(default_factory=time.monotonic)
     first_output_at: float | None = None
-    finished: bool = False  # the Worker is done with it (done/err seen)
+    finished: bool = False  # the Worker is done with it (its last event is queued)
     released: bool = False  # the handler no longer listens
-    batch: Batch | None = None
+    batch: Batch | None = None  # the batch whose stream carries it
 
-    def wire(self) -> tuple[str, list[int], SamplingParams]:
-        return self.request_id, self.prompt_token_ids, self.params
+    def wire(self) -> WorkerRequest:
+        return WorkerRequest(self.request_id, self.prompt_token_ids, self.params)
+
+    def note_output(self, now: float) -> bool:
+        """Output for it arrived at ``now``; True when it is its first."""
+        if self.first_output_at is not None:
+            return False
+        self.first_output_at = now
+        return True
+
+    def put(self, part: Part) -> None:
+        self.events.put_nowait((self, part))
+
+    def finish(self, part: DonePart | ErrorPart) -> None:
+        """Its last event: the Worker is done with it."""
+        self.finished = True
+        self.put(part)
+
+    def fail(self, status: int, message: str) -> None:
+        """End it with an error, unless the Worker ended it already; stop waiting for a route."""
+        self.routed.set()
+        if not self.finished:
+            self.finish(ErrorPart(self.request_id, status, message))
+
+    def release(self) -> bool:
+        """The handler stops listening; False when it had already."""
+        if self.released:
+            return False
+        self.released = True
+        return True
 
 
 @dataclass(eq=False)
 class Batch:
+    """Requests sent in one ``generate_batch`` call; a batch that opens a Worker stream may
+    take in the requests of later batches that join it (``adopt``)."""
+
     requests: list[EngineRequest]
-    task: asyncio.Task | None = None
+    task: asyncio.Task[None] | None = None  # the task that sends it
     attempt: int = 0  # 1 when these requests are retried after their Worker died
-    stream_id: str | None = None  # the Worker stream this batch's call opened
     avoid_replica: str | None = None  # the replica that died: the retry goes elsewhere
     on_routed: Callable[[], None] | None = None  # the batcher's, called once: routed or over
+    stream_id: str | None = None  # the Worker stream this batch's call opened
+
+    def __post_init__(self) -> None:
+        for r in self.requests:
+            r.batch = self
+
+    def start(self, send: BatchSink) -> None:
+        """Send it in a task of its own; the task's end counts as routed-or-over."""
+        self.task = asyncio.get_running_loop().create_task(send(self))
+        self.task.add_done_callback(lambda _: self.routed_or_over())
 
     def mark_routed(self, replica: str | None) -> None:
         """The Worker answered (``replica``; None when the call failed before it did)."""
@@ -69,6 +113,27 @@ class Batch:
         hook, self.on_routed = self.on_routed, None
         if hook is not None:
             hook()
+
+    def open_stream(self, stream_id: str) -> None:
+        """Its call opened Worker stream ``stream_id``: batches may join it."""
+        self.stream_id = stream_id
+
+    def adopt(self, requests: list[EngineRequest]) -> None:
+        """Requests of a batch that joined this batch's stream: they travel in it now."""
+        self.requests.extend(requests)
+        for r in requests:
+            r.batch = self
+
+    def retry(self, requests: list[EngineRequest]) -> Batch:
+        """A batch of ``requests`` (of this one, whose Worker died) to send once more,
+        elsewhere; it takes over the batcher's hook, and nothing is aborted at the dead
+        replica."""
+        again = Batch(requests, task=self.task, attempt=self.attempt + 1,
+                      avoid_replica=requests[0].replica, on_routed=self.on_routed)
+        self.on_routed = None  # the retry's answer is the one the batcher waits for
+        for r in requests:
+            r.replica = None
+        return again
 
     def all_released(self) -> bool:
         return all(r.released or r.finished for r in self.requests)
@@ -84,8 +149,7 @@ class DynamicBatcher:
     or ``batch_wait_s`` after the oldest arrived, whichever comes first.
     """
 
-    def __init__(self, send_batch: Callable[[Batch], Awaitable[None]], max_batch_size: int,
-                 batch_wait_s: float) -> None:
+    def __init__(self, send_batch: BatchSink, max_batch_size: int, batch_wait_s: float) -> None:
         self._send_batch = send_batch
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_s
@@ -110,13 +174,9 @@ class DynamicBatcher:
         while self._waiting:
             requests = self._waiting[: self.max_batch_size]
             del self._waiting[: self.max_batch_size]
-            batch = Batch(requests, on_routed=self._on_routed)
-            for r in requests:
-                r.batch = batch
             self.batch_sizes[len(requests)] = self.batch_sizes.get(len(requests), 0) + 1
             self._unrouted += 1
-            batch.task = asyncio.get_running_loop().create_task(self._send_batch(batch))
-            batch.task.add_done_callback(lambda _, b=batch: b.routed_or_over())
+            Batch(requests, on_routed=self._on_routed).start(self._send_batch)
 
     def _on_routed(self) -> None:
         """A batch reached a Worker (or its call ended first): send what waited for it."""
@@ -130,64 +190,3 @@ class DynamicBatcher:
             self._waiting.remove(request)
             return True
         return False
-
-
-async def fan_out(batch: Batch, messages: AsyncIterator[dict[str, Any]],
-                  on_routed: Callable[[list[EngineRequest]], None] | None = None,
-                  live: dict[str, EngineRequest] | None = None) -> str | None:
-    """Route each Worker message's parts to the requests' queues.
-
-    Parts name their request by position in the batch, or by request id, looked up in
-    ``live`` (a stream shared by several batches; finished requests leave ``live``).
-    ``on_routed`` sees the batch once its replica is known and it streams (to abort requests
-    already gone). Returns the stream's id when the batch joined an open stream there (its call
-    then ends at once and the stream's own ``fan_out`` carries the requests), else None when the
-    stream ended.
-    """
-    def find(key: int | str) -> EngineRequest | None:
-        if isinstance(key, int):
-            return batch.requests[key]
-        return live.get(key) if live is not None else None
-
-    async for msg in messages:
-        if "replica" in msg:
-            batch.mark_routed(msg["replica"])
-            if msg.get("attached"):
-                return msg.get("stream")
-            batch.stream_id = msg.get("stream")
-            if on_routed is not None:
-                on_routed(batch.requests)
-            continue
-        now = time.monotonic()
-        later = []  # first tokens are handed out first: their handlers run (and write) first
-        for key, index, token_ids, finish, logprobs in msg.get("t", ()):
-            r = find(key)
-            if r is None:
-                continue
-            event = (r, ("t", index, token_ids, finish, logprobs))
-            if r.first_output_at is None:
-                r.first_output_at = now
-                r.events.put_nowait(event)
-            else:
-                later.append(event)
-        for event in later:
-            event[0].events.put_nowait(event)
-        for kind, parts in (("done", msg.get("done", ())), ("err", msg.get("err", ()))):
-            for key, a, b in parts:
-                r = find(key)
-                if r is None:
-                    continue
-                r.finished = True
-                r.events.put_nowait((r, (kind, a, b)))
-                if live is not None:
-                    live.pop(r.request_id, None)
-    return None
-
-
-def fail_unfinished(batch: Batch, status: int, message: str) -> None:
-    """End every request of a batch the Worker will not finish (its call failed)."""
-    batch.mark_routed(None)
-    for r in batch.requests:
-        if not r.finished:
-            r.finished = True
-            r.events.put_nowait((r, ("err", status, message)))

@@ -21,12 +21,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from typing import Any, Literal, Protocol, cast
 
 from ray.util.metrics import Counter, Gauge, Histogram
 
 from engine.outputs import RequestOutput
+from engine.stats import EngineStats
 
 logger = logging.getLogger("ray.serve")
 
@@ -49,13 +50,27 @@ STEP_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0
 STEP_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 
-# engine.get_stats() counters -> the metric each one's increase is added to
-_ENGINE_COUNTERS = {
-    "prompt_tokens_total": "prompt_tokens_total",
-    "generation_tokens_total": "generation_tokens_total",
-    "prefix_cache_queries": "prefix_cache_queries_total",
-    "prefix_cache_hits": "prefix_cache_hits_total",
-    "num_preemptions": "num_preemptions_total",
+GaugeStat = Literal["num_running", "num_waiting", "kv_cache_usage"]
+CounterStat = Literal["prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries",
+                      "prefix_cache_hits", "num_preemptions"]
+
+# engine.get_stats() gauges -> (the metric set to each, its description)
+_ENGINE_GAUGES: dict[GaugeStat, tuple[str, str]] = {
+    "num_running": ("num_requests_running", "Sequences in the engine's running batch."),
+    "num_waiting": ("num_requests_waiting",
+                    "Sequences waiting to be scheduled (preempted ones included)."),
+    "kv_cache_usage": ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1)."),
+}
+# engine.get_stats() counters -> (the metric each one's increase is added to, its description)
+_ENGINE_COUNTERS: dict[CounterStat, tuple[str, str]] = {
+    "prompt_tokens_total": ("prompt_tokens_total",
+                            "Prompt tokens of requests added to the engine."),
+    "generation_tokens_total": ("generation_tokens_total", "Tokens generated."),
+    "prefix_cache_queries": ("prefix_cache_queries_total",
+                             "Prompt tokens looked up in the prefix cache at admission."),
+    "prefix_cache_hits": ("prefix_cache_hits_total", "Prompt tokens found in the prefix cache."),
+    "num_preemptions": ("num_preemptions_total",
+                        "Sequences preempted (blocks freed, recomputed)."),
 }
 
 _defined: dict[str, Any] = {}  # one Ray metric object per name and process
@@ -68,8 +83,8 @@ def _metric(kind: type, name: str, description: str, extra: tuple[str, ...] = ()
     return _defined[name]
 
 
-def _histogram(name: str, description: str, buckets: list[float]) -> Histogram:
-    return _metric(Histogram, name, description, boundaries=buckets)
+def _histogram(name: str, description: str, buckets: Sequence[float]) -> Histogram:
+    return cast(Histogram, _metric(Histogram, name, description, boundaries=list(buckets)))
 
 
 def served_model_name(cfg: Any) -> str:
@@ -85,33 +100,24 @@ def _replica_id() -> str:
     return serve.get_replica_context().replica_id.unique_id
 
 
+class EngineStatsSource(Protocol):
+    """What the metrics read from an engine (``engine.AsyncEngine`` is one)."""
+
+    def get_stats(self) -> EngineStats: ...
+    # (duration_s, num_batched_tokens) of each step since the last call
+    def pop_step_records(self) -> list[tuple[float, int]]: ...
+
+
 class WorkerMetrics:
     """One Worker replica's engine metrics; ``start()`` begins the once-a-second flush."""
 
-    def __init__(self, engine: Any, model_name: str, replica: str) -> None:
+    def __init__(self, engine: EngineStatsSource, model_name: str, replica: str) -> None:
         self._engine = engine
         self._tags = {"model_name": model_name, "replica": replica}
-        self._gauges = {
-            "num_running": _metric(Gauge, "num_requests_running",
-                                   "Sequences in the engine's running batch."),
-            "num_waiting": _metric(Gauge, "num_requests_waiting",
-                                   "Sequences waiting to be scheduled (preempted ones included)."),
-            "kv_cache_usage": _metric(Gauge, "kv_cache_usage_perc",
-                                      "Fraction of KV-cache blocks in use (0 to 1)."),
-        }
-        self._counters = {
-            "prompt_tokens_total": _metric(Counter, "prompt_tokens_total",
-                                           "Prompt tokens of requests added to the engine."),
-            "generation_tokens_total": _metric(Counter, "generation_tokens_total",
-                                               "Tokens generated."),
-            "prefix_cache_queries_total": _metric(
-                Counter, "prefix_cache_queries_total",
-                "Prompt tokens looked up in the prefix cache at admission."),
-            "prefix_cache_hits_total": _metric(Counter, "prefix_cache_hits_total",
-                                               "Prompt tokens found in the prefix cache."),
-            "num_preemptions_total": _metric(Counter, "num_preemptions_total",
-                                             "Sequences preempted (blocks freed, recomputed)."),
-        }
+        self._gauges = {stat: _metric(Gauge, name, description)
+                        for stat, (name, description) in _ENGINE_GAUGES.items()}
+        self._counters = {stat: _metric(Counter, name, description)
+                          for stat, (name, description) in _ENGINE_COUNTERS.items()}
         self._success = _metric(Counter, "request_success_total",
                                 "Requests finished, by finish reason (stop, length, abort).",
                                 extra=("finished_reason",))
@@ -138,10 +144,10 @@ class WorkerMetrics:
         self._success.set_default_tags(self._tags)
         self._last = dict.fromkeys(_ENGINE_COUNTERS, 0.0)
         self._itl_pending: list[float] = []
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
     @classmethod
-    def for_replica(cls, engine: Any, cfg: Any) -> WorkerMetrics:
+    def for_replica(cls, engine: EngineStatsSource, cfg: Any) -> WorkerMetrics:
         """Metrics of this Serve replica's engine, flushed from its event loop."""
         metrics = cls(engine, served_model_name(cfg), _replica_id())
         metrics.start()
@@ -184,13 +190,13 @@ class WorkerMetrics:
     def flush(self) -> None:
         """Gauges, counter increases, step records and pending inter-token latencies."""
         stats = self._engine.get_stats()
-        for key, gauge in self._gauges.items():
-            gauge.set(float(stats[key]))
-        for key, name in _ENGINE_COUNTERS.items():
-            value = float(stats.get(key, 0.0))
-            if value > self._last[key]:
-                self._counters[name].inc(value - self._last[key])
-            self._last[key] = value
+        for gauge_stat, gauge in self._gauges.items():
+            gauge.set(float(stats[gauge_stat]))
+        for stat, counter in self._counters.items():
+            value = float(stats.get(stat, 0.0))
+            if value > self._last[stat]:
+                counter.inc(value - self._last[stat])
+            self._last[stat] = value
         for duration, tokens in self._engine.pop_step_records():
             self._step_time.observe(duration)
             self._step_tokens.observe(tokens)
@@ -226,13 +232,11 @@ class RouterMetrics:
 
     @classmethod
     def for_replica(cls, cfg: Any) -> RouterMetrics:
-        """This Router replica's metrics; also what the HTTP middleware counts into."""
-        global _router
-        _router = cls(served_model_name(cfg), _replica_id())
-        return _router
+        """This Router replica's metrics."""
+        return cls(served_model_name(cfg), _replica_id())
 
-    def count_batches(self, send: Callable[[Any], Awaitable[None]]
-                      ) -> Callable[[Any], Awaitable[None]]:
+    def count_batches(self, send: Callable[[Any], Coroutine[Any, Any, None]]
+                      ) -> Callable[[Any], Coroutine[Any, Any, None]]:
         """Wrap the batcher's sink so that every batch sent is observed."""
         async def send_counted(batch: Any) -> None:
             self._batch.observe(len(batch.requests))
@@ -247,30 +251,29 @@ class RouterMetrics:
         self._http.inc(1, {"handler": handler, "status": str(status)})
 
 
-_router: RouterMetrics | None = None  # this process's Router replica, for the middleware
-
 HANDLERS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/stats",
                       "/health"})
 
 
 class HTTPMetricsMiddleware:
-    """ASGI middleware counting each response's status by handler (unknown paths: "other").
+    """ASGI middleware counting each response's status by handler (unknown paths: "other")
+    into ``metrics``.
 
     Pure ASGI, so streaming responses pass untouched; the status is read from the response's
     start message. An exception that escapes the app counts as 500.
     """
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, metrics: RouterMetrics) -> None:
         self.app = app
+        self.metrics = metrics
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        router = _router
-        if scope["type"] != "http" or router is None:
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         status = 500
 
-        async def send_status(message: dict) -> None:
+        async def send_status(message: dict[str, Any]) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
@@ -279,10 +282,10 @@ class HTTPMetricsMiddleware:
         try:
             await self.app(scope, receive, send_status)
         finally:
-            router.response(_handler(scope), status)
+            self.metrics.response(_handler(scope), status)
 
 
-def _handler(scope: dict) -> str:
+def _handler(scope: dict[str, Any]) -> str:
     path = scope.get("path", "")
     root = scope.get("root_path", "")
     if root and path.startswith(root):
@@ -290,6 +293,6 @@ def _handler(scope: dict) -> str:
     return path if path in HANDLERS else "other"
 
 
-def install_http_metrics(app: Any) -> None:
-    """Count the FastAPI app's responses (call once, before the app starts)."""
-    app.add_middleware(HTTPMetricsMiddleware)
+def install_http_metrics(app: Any, metrics: RouterMetrics) -> None:
+    """Count the app's responses into ``metrics`` (call once, before the app starts)."""
+    app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)

@@ -13,15 +13,17 @@ from __future__ import annotations
 from typing import Any
 
 from engine.sampling_params import SamplingParams
+from serve_app.config import AppConfig
 from serve_app.errors import APIError
 from serve_app.protocol import sampling_params
 from serve_app.request_router import prefix_hashes
+from serve_app.wire import ModelInfo
 
 
 class PromptProcessor:
     """Built from a Worker's ``model_info()``: its tokenizer, model name and ``max_model_len``."""
 
-    def __init__(self, info: dict[str, Any], model_name: str, prefix_chunk_tokens: int,
+    def __init__(self, info: ModelInfo, model_name: str, prefix_chunk_tokens: int,
                  max_n: int = 16, max_tokens_limit: int | None = None,
                  max_prompts: int | None = None) -> None:
         self.tokenizer = info["tokenizer"]
@@ -34,6 +36,13 @@ class PromptProcessor:
         self.max_n = max_n
         self.max_tokens_limit = max_tokens_limit
         self.max_prompts = max_prompts  # more sequences can never be admitted at once
+
+    @classmethod
+    def for_app(cls, info: ModelInfo, cfg: AppConfig) -> PromptProcessor:
+        """The Router's: the served name (``served_model_name``, else the Worker's) and the
+        app's request bounds."""
+        return cls(info, cfg.served_model_name or info["model_name"], cfg.prefix_chunk_tokens,
+                   cfg.max_n, cfg.max_tokens_limit, cfg.max_waiting_requests)
 
     def check_size(self, num_prompts: int, n: int, max_tokens: int | None,
                    max_tokens_param: str = "max_tokens") -> None:
@@ -57,12 +66,13 @@ class PromptProcessor:
         """Token ids of ``text``; a 400 when they cannot fit ``max_model_len`` with one output
         token."""
         if self._backend is None:
-            ids = self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+            ids: list[int] = self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
             self._check_length(len(ids))
             return ids
         encoding = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
         self._check_length(len(encoding))
-        return encoding.ids
+        fast_ids: list[int] = encoding.ids
+        return fast_ids
 
     def _check_length(self, num_tokens: int, max_tokens: int | None = None,
                       max_tokens_param: str = "max_tokens") -> None:
@@ -100,7 +110,8 @@ class PromptProcessor:
         return self.encode(text, add_special_tokens=False)
 
     def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        text: str = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return text
 
     def params(self, req: Any, prompt_ids: list[int], max_tokens: int | None,
                num_logprobs: int | None) -> SamplingParams:

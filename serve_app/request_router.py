@@ -24,11 +24,14 @@ sent where: chained hashes of ``prefix_chunk_tokens``-token prompt chunks, kept 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from serve_app import registry
+
+if TYPE_CHECKING:  # the wire module imports the engine's (and torch); this one stays light
+    from serve_app.wire import RoutingStats
 
 _MAX_PREFIX_ENTRIES = 200_000
 
@@ -73,14 +76,14 @@ class WorkerRequestRouter(RequestRouter):
 
     def load(self, replica: RunningReplica) -> int:
         """Reported running + waiting, plus what was sent that the report had not received."""
-        stats = replica.routing_stats or {}
+        stats = _stats(replica)
         received = stats.get("received") or {}
         sent = self._sent.get(replica.replica_id.unique_id, {})
         in_transit = sum(max(0, n - received.get(key, 0)) for key, n in sent.items())
         return int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0)) + in_transit
 
     def _load_key(self, replica: RunningReplica) -> tuple[int, float]:
-        stats = replica.routing_stats or {}
+        stats = _stats(replica)
         total = stats.get("num_total_blocks") or 1
         return self.load(replica), -stats.get("num_free_blocks", total) / total
 
@@ -147,6 +150,12 @@ class WorkerRequestRouter(RequestRouter):
         sent[key] = sent.get(key, 0) + len(kwargs["requests"])
         if kwargs.get("prefix_hashes"):
             self._remember(kwargs["prefix_hashes"], rid)
+
+
+def _stats(replica: RunningReplica) -> RoutingStats:
+    """The replica's last ``Worker.record_routing_stats`` (empty before its first report: read
+    it with defaults)."""
+    return cast("RoutingStats", replica.routing_stats or {})
 
 
 def prefix_hashes(token_ids: list[int], chunk: int) -> list[int]:

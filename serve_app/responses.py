@@ -35,14 +35,14 @@ class _Format:
         self._finish: list[str | None] = [None] * num_choices
         self._logprobs: list[list[LogprobEntry]] = [[] for _ in range(num_choices)]
 
-    def _envelope(self, obj: str, choices: list[dict], usage: Usage | None = None) -> dict:
+    def _envelope(self, obj: str, choices: list[dict[str, Any]], usage: Usage | None = None) -> dict[str, Any]:
         body = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}
         if usage is not None:
             body["usage"] = usage.as_dict()
         return body
 
-    def usage_chunk(self, usage: Usage) -> dict:
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         return self._envelope(self.object_chunk, [], usage)
 
     def collect(self, deltas: list[Delta]) -> None:
@@ -79,7 +79,7 @@ class CompletionFormat(_Format):
         self._echoed.add(index)
         return self._echo[index // self._n]
 
-    def chunk(self, deltas: list[Delta]) -> dict:
+    def chunk(self, deltas: list[Delta]) -> dict[str, Any]:
         choices = []
         for d in deltas:
             text = self._echo_for(d.index) + d.text
@@ -94,18 +94,18 @@ class CompletionFormat(_Format):
             d.text = self._echo_for(d.index) + d.text
         super().collect(deltas)
 
-    def stream_chunks(self, deltas: list[Delta]) -> list[dict]:
+    def stream_chunks(self, deltas: list[Delta]) -> list[dict[str, Any]]:
         kept = [d for d in deltas if d.text or d.finish_reason or d.logprobs
                 or (self._echo is not None and d.index not in self._echoed)]
         return [self.chunk(kept)] if kept else []
 
-    def final(self, usage: Usage) -> dict:
+    def final(self, usage: Usage) -> dict[str, Any]:
         choices = [{"index": i, "text": self._texts[i],
                     "logprobs": self._logprobs_obj(self._logprobs[i], 0),
                     "finish_reason": self._finish[i]} for i in range(len(self._texts))]
         return self._envelope(self.object_final, choices, usage)
 
-    def _logprobs_obj(self, entries: list[LogprobEntry] | None, offset: int) -> dict | None:
+    def _logprobs_obj(self, entries: list[LogprobEntry] | None, offset: int) -> dict[str, Any] | None:
         if not self._want_logprobs:
             return None
         tokens, token_lps, tops, offsets = [], [], [], []
@@ -128,34 +128,35 @@ class ChatFormat(_Format):
         super().__init__(*args)
         self._want_logprobs = want_logprobs
 
-    def role_chunk(self, num_choices: int) -> dict:
+    def role_chunk(self, num_choices: int) -> dict[str, Any]:
         choices = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None} for i in range(num_choices)]
         return self._envelope(self.object_chunk, choices)
 
-    def chunk(self, deltas: list[Delta]) -> dict:
+    def chunk(self, deltas: list[Delta]) -> dict[str, Any]:
         """Content deltas; finish reasons go in a separate last chunk (``finish_chunk``)."""
         choices = [{"index": d.index, "delta": {"content": d.text},
                     "logprobs": self._logprobs_obj(d.logprobs), "finish_reason": None}
                    for d in deltas if d.text or d.logprobs]
         return self._envelope(self.object_chunk, choices)
 
-    def finish_chunk(self, deltas: list[Delta]) -> dict:
-        choices = [{"index": d.index, "delta": {}, "logprobs": None,
-                    "finish_reason": d.finish_reason} for d in deltas if d.finish_reason]
+    def finish_chunk(self, deltas: list[Delta]) -> dict[str, Any]:
+        choices: list[dict[str, Any]] = [
+            {"index": d.index, "delta": {}, "logprobs": None, "finish_reason": d.finish_reason}
+            for d in deltas if d.finish_reason]
         return self._envelope(self.object_chunk, choices)
 
-    def stream_chunks(self, deltas: list[Delta]) -> list[dict]:
+    def stream_chunks(self, deltas: list[Delta]) -> list[dict[str, Any]]:
         out = [self.chunk(deltas), self.finish_chunk(deltas)]
         return [c for c in out if c["choices"]]
 
-    def final(self, usage: Usage) -> dict:
+    def final(self, usage: Usage) -> dict[str, Any]:
         choices = [{"index": i, "message": {"role": "assistant", "content": self._texts[i]},
                     "logprobs": self._logprobs_obj(self._logprobs[i]),
                     "finish_reason": self._finish[i]} for i in range(len(self._texts))]
         return self._envelope(self.object_final, choices, usage)
 
-    def _logprobs_obj(self, entries: list[LogprobEntry] | None) -> dict | None:
+    def _logprobs_obj(self, entries: list[LogprobEntry] | None) -> dict[str, Any] | None:
         if not self._want_logprobs:
             return None
         content = []
@@ -164,7 +165,7 @@ class ChatFormat(_Format):
                 self._token(t, v) for t, v in top.items()]})
         return {"content": content}
 
-    def _token(self, tok: int, lp: float) -> dict:
+    def _token(self, tok: int, lp: float) -> dict[str, Any]:
         text = self.token_text(tok)
         return {"token": text, "logprob": _finite(lp), "bytes": list(text.encode("utf-8"))}
 

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from engine.sampling_params import SamplingParams
 from serve_app.batcher import DynamicBatcher, EngineRequest
 from serve_app.config import AppConfig
 from serve_app.errors import APIError, install_handlers
@@ -33,7 +34,8 @@ from serve_app.prompts import PromptProcessor
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from serve_app.responses import SSE_DONE, ChatFormat, CompletionFormat, sse
 from serve_app.streams import ResponseStream
-from serve_app.worker_client import WorkerClient
+from serve_app.wire import Part
+from serve_app.worker_client import WorkerClient, sum_stats
 
 logger = logging.getLogger("ray.serve")
 
@@ -44,7 +46,6 @@ PREPARE_THREADS = 2  # threads that template and tokenize prompts, per Router re
 api = FastAPI(title="pagedserve", description="OpenAI-compatible LLM serving on Ray Serve.",
               docs_url=None, redoc_url=None, openapi_url=None)
 install_handlers(api)
-install_http_metrics(api)
 
 
 # Module-level helpers go above the class: serve.ingress snapshots the module's globals when it
@@ -56,7 +57,9 @@ def _response_id(prefix: str, request: Request) -> str:
 @serve.deployment(name="Router")
 @serve.ingress(api)
 class Router:
-    def __init__(self, worker: DeploymentHandle, config: AppConfig) -> None:
+    app: FastAPI  # the app Serve serves: set by serve.ingress's wrapper after __init__
+
+    def __init__(self, worker: DeploymentHandle[Any], config: AppConfig) -> None:
         self.cfg = config
         key = config.resolved_api_key()
         self._api_key_digest = None if key is None else hashlib.sha256(key.encode()).digest()
@@ -72,19 +75,24 @@ class Router:
         self._ttft_ewma_s = 0.0
         self._health: tuple[float, bool] = (0.0, False)
         self._init_task = asyncio.get_running_loop().create_task(self._load_model_info())
-        self._waking: asyncio.Task | None = None  # brings a Worker up from zero replicas
+        self._waking: asyncio.Task[None] | None = None  # brings a Worker up from zero replicas
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        """This replica's app (Serve's copy of ``api``), its HTTP responses counted into
+        ``self.metrics``. Serve (2.60) calls it once the replica is built, before the app
+        starts."""
+        app: FastAPI = self.app
+        install_http_metrics(app, self.metrics)
+        return app
 
     async def _load_model_info(self) -> None:
         """Fetch the tokenizer and limits from a Worker, retrying until one is up."""
         while True:
             try:
                 info = await asyncio.wait_for(self.workers.model_info(), timeout=10.0)
-                name = self.cfg.served_model_name or info["model_name"]
-                logger.info("serving %s (dtype %s, max_model_len %d)", name, info.get("dtype"),
-                            info["max_model_len"])
-                self.prompts = PromptProcessor(info, name, self.cfg.prefix_chunk_tokens,
-                                               self.cfg.max_n, self.cfg.max_tokens_limit,
-                                               self.cfg.max_waiting_requests)
+                self.prompts = PromptProcessor.for_app(info, self.cfg)
+                logger.info("serving %s (dtype %s, max_model_len %d)", self.prompts.model_name,
+                            info["dtype"], info["max_model_len"])
                 return
             except Exception as exc:  # no Worker yet, or it is still loading its model
                 logger.info("waiting for a Worker to report its model: %r", exc)
@@ -111,15 +119,10 @@ class Router:
         """Router counters and every Worker replica's engine stats (with their sum)."""
         self._authorize(request)
         workers = await self.workers.stats()
-        totals: dict[str, float] = {}
-        for w in workers:
-            for k, v in w.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    totals[k] = totals.get(k, 0) + v
         router = {**self._counters, "num_waiting": self._num_waiting(),
                   "num_active": len(self._active),
                   "batch_sizes": {str(k): v for k, v in sorted(self.batcher.batch_sizes.items())}}
-        return JSONResponse({"router": router, "workers": workers, "total": totals})
+        return JSONResponse({"router": router, "workers": workers, "total": sum_stats(workers)})
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Any:
@@ -130,8 +133,8 @@ class Router:
         p.check_size(len(req.prompts()), req.n, req.max_tokens, req.max_tokens_param)
         prompts, params, echo = await self._off_loop(p.prepare_completion, req)
         fmt = CompletionFormat(_response_id("cmpl", request), p.model_name, p.tokenizer,
-                               len(prompts) * req.n, n=req.n, want_logprobs=req.logprobs is not None,
-                               echo_texts=echo)
+                               len(prompts) * req.n, n=req.n,
+                               want_logprobs=req.logprobs is not None, echo_texts=echo)
         return await self._run(p, req, prompts, params, fmt, req.logprobs)
 
     @api.post("/v1/chat/completions")
@@ -154,11 +157,11 @@ class Router:
         the Router's small thread pool, so that the streams on this event loop keep flowing."""
         return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, fn, *args)
 
-    async def _run(self, p: PromptProcessor, req: Any, prompts: list[list[int]], params: list,
-                   fmt: Any, num_logprobs: int | None) -> Any:
+    async def _run(self, p: PromptProcessor, req: Any, prompts: list[list[int]],
+                   params: list[SamplingParams], fmt: Any, num_logprobs: int | None) -> Any:
         """Admit, queue one engine request per prompt, and answer with SSE or JSON."""
         self._admit(len(prompts) * req.n)
-        events: asyncio.Queue = asyncio.Queue()  # shared by this HTTP request's prompts
+        events: asyncio.Queue[tuple[EngineRequest, Part]] = asyncio.Queue()  # shared by its prompts
         engine_reqs = [EngineRequest(ids, sp, p.prefix_hashes(ids), events=events)
                        for ids, sp in zip(prompts, params, strict=True)]
         self._active.update(engine_reqs)

@@ -1,19 +1,23 @@
-"""Per-HTTP-request decoding: Worker token events -> text deltas per choice.
+"""Per-HTTP-request decoding: the Worker's parts -> text deltas per choice.
 
 One ``ResponseStream`` reads the shared event queue of an HTTP request's engine requests (one
-per prompt), detokenizes each choice incrementally with ``TextStream``, cuts at stop strings
-(asking the Router to abort the request at its Worker once every choice has stopped) and counts
-usage. Choice ``k`` of prompt ``p`` has index ``p * n + k``, as in OpenAI's API.
+per prompt; the Worker's ``serve_app.wire`` parts), detokenizes each choice incrementally with
+``TextStream``, cuts at stop strings (asking the Router to abort the request at its Worker once
+every choice has stopped) and counts usage. Choice ``k`` of prompt ``p`` has index
+``p * n + k``, as in OpenAI's API.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.detokenizer import TextStream
+from engine.outputs import Logprobs
 from serve_app.batcher import EngineRequest
 from serve_app.errors import APIError
+from serve_app.wire import DonePart, Part, TokenPart
 
 # (token id, its logprob, top logprobs {token id: logprob}) per generated token
 LogprobEntry = tuple[int, float, dict[int, float]]
@@ -43,7 +47,7 @@ class Usage:
     completion_tokens: int = 0
     cached_tokens: int = 0
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {"prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
@@ -83,21 +87,20 @@ class ResponseStream:
         pending = len(self.requests)
         while pending:
             out: list[Delta] = []
-            item = await queue.get()
+            item: tuple[EngineRequest, Part] | None = await queue.get()
             while item is not None:
                 pending -= self._apply(*item, out)
                 item = queue.get_nowait() if not queue.empty() else None
             if out:
                 yield _merge(out)
 
-    def _apply(self, request: EngineRequest, event: tuple, out: list[Delta]) -> int:
-        """Apply one event; return 1 when it ends its request for this stream, else 0."""
+    def _apply(self, request: EngineRequest, part: Part, out: list[Delta]) -> int:
+        """Apply one part; return 1 when it ends its request for this stream, else 0."""
         p = self._pos[id(request)]
         if p in self._stopped:
             return 0  # stopped on a string already: late tokens, or the abort's echo
-        kind = event[0]
-        if kind == "t":
-            delta = self._tokens(p, *event[1:])
+        if isinstance(part, TokenPart):
+            delta = self._tokens(p, part)
             if delta is not None:
                 out.append(delta)
             if self._all_stopped(p):
@@ -105,17 +108,17 @@ class ResponseStream:
                 self.release(request)  # every choice stopped on a string: abort at the Worker
                 return 1
             return 0
-        if kind == "done":
-            self.usage.cached_tokens += event[2]
+        if isinstance(part, DonePart):
+            self.usage.cached_tokens += part.num_cached_tokens
             out.extend(self._close_open_choices(p))
             return 1
-        raise APIError(event[1], event[2])
+        raise APIError(part.status, part.message)
 
-    def _tokens(self, p: int, index: int, token_ids: list[int], finish: str | None,
-                logprobs: list[dict[int, float]] | None) -> Delta | None:
-        choice = self._choices[(p, index)]
+    def _tokens(self, p: int, part: TokenPart) -> Delta | None:
+        choice = self._choices[(p, part.seq_index)]
         if choice.finish_reason is not None:
             return None  # already stopped on a string; the abort is on its way
+        token_ids, finish = part.token_ids, part.finish_reason
         choice.num_tokens += len(token_ids)
         self.usage.completion_tokens += len(token_ids)
         text, stop_str = choice.text.add(token_ids)
@@ -125,7 +128,7 @@ class ResponseStream:
         elif finish is not None:
             text += choice.text.finish()
             choice.finish_reason = "length" if finish == "length" else "stop"
-        entries = _entries(token_ids, logprobs, self.num_logprobs)
+        entries = _entries(token_ids, part.logprobs, self.num_logprobs)
         return Delta(choice.index, text, list(token_ids), choice.finish_reason, entries)
 
     def _all_stopped(self, p: int) -> bool:
@@ -161,7 +164,7 @@ def _merge(deltas: list[Delta]) -> list[Delta]:
     return list(by_index.values())
 
 
-def _entries(token_ids: list[int], logprobs: list[dict[int, float]] | None,
+def _entries(token_ids: list[int], logprobs: list[Logprobs] | None,
              num: int | None) -> list[LogprobEntry] | None:
     if num is None or logprobs is None:
         return None

@@ -1,22 +1,16 @@
-"""Worker deployment: one replica = one ``AsyncEngine`` (one model instance).
+"""Worker deployment: one replica = one engine (one model instance).
 
-It accepts batches of already-tokenized requests in one streaming handle call and streams back
-one compact message per engine step with every request's new token ids (and logprobs):
-
-    {"replica": "<replica id>", "stream": "<id>", "attached": False}  # first message of a call
-    {"t": [[key, index, token_ids, finish_reason, logprobs], ...],
-     "done": [[key, num_prompt_tokens, num_cached_tokens], ...],
-     "err": [[key, status, message], ...]}                       # keys present only when non-empty
-
-``key`` is the request id given with ``stream_key`` (else the request's position in the batch),
-``index`` the sequence (of ``n``).
+It accepts batches of already-tokenized requests (``WorkerRequest``) in one streaming handle
+call and streams back a ``StreamAttach``, then one ``StepMessage`` per engine step with every
+request's new token ids (and logprobs), ends and errors (``serve_app.wire``).
 
 Shared streams: a Router names itself with ``stream_key``. A batch routed to a replica that
 already streams for that key joins that stream instead of opening one: its call answers
-``{"replica": ..., "stream": <that stream's id>, "attached": True}`` and ends, and its requests'
-tokens travel in the open stream's per-step messages. A Router with many small batches in flight (one per arriving
-request, under steady load) then gets one message per engine step, not one per batch. A stream
-ends when its last request does. Cancelling a stream's call aborts every request it carries.
+``StreamAttach(replica, <that stream's id>, attached=True)`` and ends, and its requests' tokens
+travel in the open stream's per-step messages. A Router with many small batches in flight (one
+per arriving request, under steady load) then gets one message per engine step, not one per
+batch. A stream ends when its last request does. Cancelling a stream's call aborts every
+request it carries.
 """
 
 from __future__ import annotations
@@ -26,18 +20,17 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Mapping
+from typing import Any, cast
 
 from ray import serve
 
+from engine.stats import EngineStats
+from serve_app import wire
 from serve_app.config import AppConfig
 from serve_app.metrics import WorkerMetrics
 
 logger = logging.getLogger("ray.serve")
-
-# One queued item from a per-request pump: ("t", [...]) | ("done", [...]) | ("err", [...]).
-_Item = tuple[str, list]
 
 
 class _Stream:
@@ -45,8 +38,8 @@ class _Stream:
 
     def __init__(self) -> None:
         self.id = uuid.uuid4().hex
-        self.queue: asyncio.Queue[_Item] = asyncio.Queue()
-        self.pumps: dict[str, asyncio.Task] = {}  # request id -> its pump
+        self.queue: asyncio.Queue[wire.Part] = asyncio.Queue()
+        self.pumps: dict[str, asyncio.Task[None]] = {}  # request id -> its pump
         self.remaining = 0  # requests not finished yet
 
 
@@ -67,7 +60,7 @@ class Worker:
         self.engine = AsyncEngine(engine_cfg, rank_launcher=_rank_launcher(config))
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.metrics = WorkerMetrics.for_replica(self.engine, config)
-        self._pumps: dict[str, asyncio.Task] = {}  # request id -> task streaming it
+        self._pumps: dict[str, asyncio.Task[None]] = {}  # request id -> task streaming it
         self._streams: dict[str, _Stream] = {}  # stream_key -> that Router's open stream
         self._received: dict[str, int] = {}  # stream_key -> requests received (routing stats)
         self.requests_total = 0
@@ -78,13 +71,12 @@ class Worker:
 
     # ---- data path -------------------------------------------------------------------------
 
-    async def generate_batch(self, requests: list[tuple], prefix_hashes: list | None = None,
+    async def generate_batch(self, requests: list[wire.WorkerRequest],
+                             prefix_hashes: list[list[int]] | None = None,
                              avoid_replica: str | None = None, stream_key: str | None = None,
-                             ) -> AsyncIterator[dict[str, Any]]:
-        """Run a batch; ``requests`` = [(request_id, prompt_token_ids, SamplingParams), ...].
-
-        ``prefix_hashes`` and ``avoid_replica`` are read by the request router only.
-        """
+                             ) -> AsyncIterator[wire.WorkerMessage]:
+        """Run a batch. ``prefix_hashes`` and ``avoid_replica`` are read by the request router
+        only."""
         del prefix_hashes, avoid_replica
         self.batches_total += 1
         self.requests_total += len(requests)
@@ -93,7 +85,7 @@ class Worker:
         stream = self._streams.get(stream_key) if stream_key is not None else None
         if stream is not None:  # join the Router's open stream on this replica
             self._attach(stream, requests, by_id=True)
-            yield {"replica": self.replica_id, "stream": stream.id, "attached": True}
+            yield wire.StreamAttach(self.replica_id, stream.id, attached=True)
             return
         stream = _Stream()
         if stream_key is not None:
@@ -101,10 +93,10 @@ class Worker:
         self.batches_running += 1
         self._attach(stream, requests, by_id=stream_key is not None)
         try:
-            yield {"replica": self.replica_id, "stream": stream.id, "attached": False}
+            yield wire.StreamAttach(self.replica_id, stream.id, attached=False)
             while stream.remaining:
-                message, finished = _drain(await stream.queue.get(), stream.queue)
-                stream.remaining -= finished
+                message = wire.StepMessage.gather(await stream.queue.get(), stream.queue)
+                stream.remaining -= message.num_finished
                 yield message  # batches may join while this waits for the consumer
         finally:
             if stream_key is not None and self._streams.get(stream_key) is stream:
@@ -114,36 +106,38 @@ class Worker:
                 self._pumps.pop(request_id, None)
                 task.cancel()  # closing a generate() stream aborts its request
 
-    def _attach(self, stream: _Stream, requests: list[tuple], by_id: bool) -> None:
+    def _attach(self, stream: _Stream, requests: list[wire.WorkerRequest], by_id: bool) -> None:
         for slot, req in enumerate(requests):
-            key = req[0] if by_id else slot
+            key: int | str = req.request_id if by_id else slot
             task = asyncio.create_task(self._pump(key, req, stream.queue))
-            stream.pumps[req[0]] = task
-            self._pumps[req[0]] = task
+            stream.pumps[req.request_id] = task
+            self._pumps[req.request_id] = task
         stream.remaining += len(requests)
 
-    async def _pump(self, slot: int | str, req: tuple, queue: asyncio.Queue[_Item]) -> None:
-        request_id, prompt_token_ids, params = req
+    async def _pump(self, key: int | str, req: wire.WorkerRequest,
+                    queue: asyncio.Queue[wire.Part]) -> None:
         put = queue.put_nowait
+        num_prompt_tokens = len(req.prompt_token_ids)
         cached = 0
         try:
-            outputs = self.engine.generate(request_id, prompt_token_ids, params)
+            outputs = self.engine.generate(req.request_id, req.prompt_token_ids, req.params)
             async for out in self.metrics.track(outputs):
                 cached = out.num_cached_tokens
                 for co in out.outputs:
                     if co.token_ids or co.finish_reason:
-                        put(("t", [slot, co.index, co.token_ids, co.finish_reason, co.logprobs]))
+                        put(wire.TokenPart(key, co.index, co.token_ids, co.finish_reason,
+                                           co.logprobs))
         except asyncio.CancelledError:  # aborted (control call) or the batch call was cancelled
-            put(("done", [slot, len(prompt_token_ids), cached]))
+            put(wire.DonePart(key, num_prompt_tokens, cached))
             raise
         except ValueError as exc:
-            put(("err", [slot, 400, str(exc)]))
+            put(wire.ErrorPart(key, 400, str(exc)))
             return
         except Exception as exc:  # the engine failed: report it for this request, keep serving
-            logger.exception("request %s failed", request_id)
-            put(("err", [slot, 500, f"engine error: {type(exc).__name__}: {exc}"]))
+            logger.exception("request %s failed", req.request_id)
+            put(wire.ErrorPart(key, 500, f"engine error: {type(exc).__name__}: {exc}"))
             return
-        put(("done", [slot, len(prompt_token_ids), cached]))
+        put(wire.DonePart(key, num_prompt_tokens, cached))
 
     # ---- control calls (routed to the named replica by WorkerRequestRouter) ----------------
 
@@ -159,7 +153,7 @@ class Worker:
             self.engine.abort(request_id)
         return found
 
-    async def model_info(self, target_replica: str | None = None) -> dict[str, Any]:
+    async def model_info(self, target_replica: str | None = None) -> wire.ModelInfo:
         """What the Router needs: the tokenizer, names and limits."""
         return {
             "replica": self.replica_id,
@@ -169,16 +163,16 @@ class Worker:
             "tokenizer": self.engine.tokenizer,
         }
 
-    async def get_stats(self, target_replica: str | None = None) -> dict[str, Any]:
-        stats = dict(self.engine.get_stats())
-        stats.update(replica=self.replica_id, requests_total=self.requests_total,
-                     aborted_total=self.aborted_total, rss_bytes=_rss_bytes(),
-                     batches_total=self.batches_total, batches_running=self.batches_running)
-        return stats
+    async def get_stats(self, target_replica: str | None = None) -> wire.WorkerStats:
+        s: EngineStats = self.engine.get_stats()
+        return {**s, "output_tokens_per_s": _output_rate(s), "replica": self.replica_id,
+                "requests_total": self.requests_total, "aborted_total": self.aborted_total,
+                "rss_bytes": _rss_bytes(), "batches_total": self.batches_total,
+                "batches_running": self.batches_running}
 
     # ---- hooks Serve calls -----------------------------------------------------------------
 
-    def record_routing_stats(self) -> dict[str, Any]:
+    def record_routing_stats(self) -> wire.RoutingStats:
         """Load for ``WorkerRequestRouter``: collected every ``routing_stats_period_s``."""
         s = self.engine.get_stats()
         # The engine's snapshot can predate a batch this replica already accepted; count the
@@ -188,7 +182,7 @@ class Worker:
                 "num_free_blocks": s["num_free_blocks"], "num_total_blocks": s["num_total_blocks"],
                 "received": dict(self._received)}
 
-    def record_autoscaling_stats(self) -> dict[str, float]:
+    def record_autoscaling_stats(self) -> wire.AutoscalingStats:
         """The real load, for ``serve_app.autoscaling.QueueDepthPolicy``: one handle call carries
         a whole batch, so Serve's count of ongoing calls says little."""
         s = self.engine.get_stats()
@@ -196,7 +190,7 @@ class Worker:
         return {"num_waiting": float(s["num_waiting"]), "num_running": float(s["num_running"]),
                 "kv_cache_usage": float(s["kv_cache_usage"]),
                 "seq_slot_usage": float(s["num_running"]) / slots,
-                "output_tokens_per_s": float(s.get("output_tokens_per_s", 0.0))}
+                "output_tokens_per_s": _output_rate(s)}
 
     def check_health(self) -> None:
         if not getattr(self.engine, "is_running", True):
@@ -259,14 +253,7 @@ def _has_running_loop() -> bool:
     return True
 
 
-def _drain(first: _Item, queue: asyncio.Queue[_Item]) -> tuple[dict[str, list], int]:
-    """One message from everything queued now (one engine step); also count finished slots."""
-    message: dict[str, list] = {}
-    finished = 0
-    item: _Item | None = first
-    while item is not None:
-        kind, payload = item
-        message.setdefault(kind, []).append(payload)
-        finished += kind != "t"
-        item = queue.get_nowait() if not queue.empty() else None
-    return message, finished
+def _output_rate(stats: EngineStats) -> float:
+    """Output tokens/s: ``AsyncEngine.get_stats`` adds it to the fields ``EngineStats``
+    declares; 0 from an engine that does not."""
+    return float(cast(Mapping[str, float], stats).get("output_tokens_per_s", 0.0))

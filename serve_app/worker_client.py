@@ -10,9 +10,11 @@ own, naming the dead replica so that the request router gives it to another one 
 one). The others get a 503: they have streamed tokens already, so running them again would
 repeat output.
 
-Batches share streams: every batch names this client's ``stream_key``; one routed to a replica
-that already streams for this client joins that stream (see ``serve_app.worker``), and the
-stream's task fans its requests out by request id (``_live``).
+A batch's call streams ``serve_app.wire`` messages; ``fan_out`` hands each request the parts
+meant for it (``EngineRequest.events``). Batches share streams: every batch names this client's
+``stream_key``; one routed to a replica that already streams for this client joins that stream
+(see ``serve_app.worker``), and the stream's task fans its requests out by request id
+(``_live``).
 
 Handle calls are made in an empty ``contextvars.Context``: inside an HTTP request, Serve gives
 every handle call that request's internal request id, and its request router matches pending
@@ -27,13 +29,14 @@ import contextvars
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.batcher import Batch, EngineRequest, fail_unfinished, fan_out
+from serve_app import wire
+from serve_app.batcher import Batch, EngineRequest
 from serve_app.registry import known_replicas
 
 logger = logging.getLogger("ray.serve")
@@ -49,17 +52,19 @@ def fresh_call(call: Callable[[], T]) -> T:
 
 
 class WorkerClient:
-    def __init__(self, handle: DeploymentHandle, deployment: str = "Worker",
+    def __init__(self, handle: DeploymentHandle[Any], deployment: str = "Worker",
                  grpc: bool = False) -> None:
         self._handle = handle
         # grpc: batches stream over the Worker replica's gRPC server (Serve's by-value path)
         # instead of Ray actor calls whose every message is an object in Ray's object store
         self._stream = handle.options(stream=True, _by_reference=not grpc)
         self._deployment = deployment
-        self._background: set[asyncio.Task] = set()
+        self._background: set[asyncio.Task[Any]] = set()
         self._stream_key = uuid.uuid4().hex  # names this client's shared streams
         self._live: dict[str, EngineRequest] = {}  # request id -> request, while unfinished
         self._open: dict[str, Batch] = {}  # Worker stream id -> the batch whose call opened it
+        # Worker stream id -> resolved when it opens, for batches that joined it before
+        self._opening: dict[str, asyncio.Future[None]] = {}
 
     # ---- data path -------------------------------------------------------------------------
 
@@ -70,27 +75,28 @@ class WorkerClient:
         extra = {"avoid_replica": batch.avoid_replica} if batch.avoid_replica else {}
         for r in batch.requests:
             self._live[r.request_id] = r
-        gen = fresh_call(lambda: self._stream.generate_batch.remote(
+        # a DeploymentResponseGenerator of wire.WorkerMessage (Ray types it loosely)
+        gen: Any = fresh_call(lambda: self._stream.generate_batch.remote(
             requests=[r.wire() for r in batch.requests],
             prefix_hashes=hashes if any(hashes) else None, stream_key=self._stream_key,
             **extra,
         ))
         try:
-            joined = await fan_out(batch, gen, self._on_routed, self._live)
+            joined = await fan_out(batch, gen, self._on_opened, self._live)
             if joined is not None:
                 await self._join(batch, joined)
                 return
-            fail_unfinished(batch, 500, "the Worker ended the stream early")
+            fail_unfinished(batch.requests, 500, "the Worker ended the stream early")
         except asyncio.CancelledError:
             gen.cancel()  # every listener left: the Worker aborts what is still running
             self._abort_joined_late(batch)
-            fail_unfinished(batch, 499, "cancelled")
+            fail_unfinished(batch.requests, 499, "cancelled")
         except Exception as exc:
             logger.warning("batch of %d failed: %s", len(batch.requests), exc)
             retry = [r for r in batch.requests if isinstance(exc, RayActorError)
                      and batch.attempt == 0 and _not_started(r)]
-            rest = Batch([r for r in batch.requests if r not in retry])
-            fail_unfinished(rest, 503, f"Worker unavailable: {type(exc).__name__}")
+            fail_unfinished([r for r in batch.requests if r not in retry], 503,
+                            f"Worker unavailable: {type(exc).__name__}")
             if retry:
                 self._close(batch)  # no batch joins a dead replica's stream
                 await self._retry(batch, retry)
@@ -106,51 +112,50 @@ class WorkerClient:
             if r.finished:
                 self._live.pop(r.request_id, None)
 
-    def _on_routed(self, requests: list[EngineRequest]) -> None:
+    def _on_opened(self, batch: Batch) -> None:
         """A batch opened a stream: batches that join it find it here."""
-        batch = requests[0].batch if requests else None
-        if batch is not None and batch.stream_id is not None:
+        if batch.stream_id is not None:
             self._open[batch.stream_id] = batch
-        self._abort_released(requests)
+            waiter = self._opening.pop(batch.stream_id, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+        self._abort_released(batch.requests)
 
     async def _join(self, batch: Batch, stream_id: str) -> None:
-        """``batch`` joined an open stream: that stream's task now carries its requests. The
-        stream's first message can reach us after the join's answer: wait for it."""
-        deadline = time.monotonic() + CONTROL_TIMEOUT_S
-        while stream_id not in self._open and time.monotonic() < deadline:
-            if all(r.finished for r in batch.requests):
-                return  # the stream came and went, and carried them to the end
-            await asyncio.sleep(0.001)
+        """``batch`` joined an open stream: that stream's batch now carries its requests.
+
+        The stream's first message can reach us after the join's answer: wait for it, up to
+        ``CONTROL_TIMEOUT_S``, unless the stream came and went and carried them to the end.
+        """
+        if stream_id not in self._open and not all(r.finished for r in batch.requests):
+            waiter = self._opening.get(stream_id)
+            if waiter is None:
+                waiter = self._opening[stream_id] = asyncio.get_running_loop().create_future()
+            await asyncio.wait([waiter], timeout=CONTROL_TIMEOUT_S)
+            if self._opening.get(stream_id) is waiter:
+                del self._opening[stream_id]  # timed out: never opened here
         stream = self._open.get(stream_id)
-        if stream is None:
-            fail_unfinished(batch, 503, "the Worker stream was lost; retry the request")
+        if stream is None:  # never opened in time, or came and went (ended requests stay so)
+            fail_unfinished(batch.requests, 503, "the Worker stream was lost; retry the request")
             return
-        stream.requests.extend(batch.requests)
-        for r in batch.requests:
-            r.batch = stream
+        stream.adopt(batch.requests)
         self._abort_released(batch.requests)
 
     def _abort_joined_late(self, batch: Batch) -> None:
         """A cancelled call may have joined a stream already: abort those requests there."""
         routed = [r for r in batch.requests if r.replica is not None and not r.finished]
-        if routed:
+        if routed and routed[0].replica is not None:
             self.abort(routed[0].replica, [r.request_id for r in routed])
 
     async def _retry(self, failed: Batch, requests: list[EngineRequest]) -> None:
         """Run ``requests`` again in this task (so a client leaving still cancels them)."""
         logger.info("retrying %d requests of a batch whose Worker died", len(requests))
-        again = Batch(requests, task=failed.task, attempt=failed.attempt + 1,
-                      avoid_replica=requests[0].replica, on_routed=failed.on_routed)
-        failed.on_routed = None  # the retry's answer is the one the batcher waits for
-        for r in requests:
-            r.batch, r.replica = again, None  # no abort to the dead replica
-        await self.run_batch(again)
+        await self.run_batch(failed.retry(requests))
 
     def release(self, request: EngineRequest) -> None:
         """The handler stops listening (done, stop string, or client gone): free the request."""
-        if request.released:
+        if not request.release():
             return
-        request.released = True
         batch = request.batch
         if request.finished or batch is None:
             return
@@ -172,25 +177,38 @@ class WorkerClient:
                                                              target_replica=replica))
         self._spawn(_bounded(call, CONTROL_TIMEOUT_S))
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
     # ---- control -----------------------------------------------------------------------------
 
-    async def model_info(self) -> dict[str, Any]:
-        return await fresh_call(lambda: self._handle.model_info.remote())
+    async def model_info(self) -> wire.ModelInfo:
+        info: wire.ModelInfo = await fresh_call(lambda: self._handle.model_info.remote())
+        return info
 
     def replicas(self) -> list[str]:
         return known_replicas(self._deployment)
 
-    async def stats(self, timeout_s: float = 5.0) -> list[dict[str, Any]]:
+    async def stats(self, timeout_s: float = 5.0) -> list[wire.WorkerStats]:
         """``get_stats()`` of every running Worker replica that answers in time."""
-        calls = [fresh_call(lambda r=rid: self._handle.get_stats.remote(target_replica=r))
-                 for rid in self.replicas()]
+        def call(replica: str) -> Any:
+            return fresh_call(lambda: self._handle.get_stats.remote(target_replica=replica))
+
+        calls = [call(rid) for rid in self.replicas()]
         results = await asyncio.gather(*(_bounded(c, timeout_s) for c in calls))
         return [r for r in results if r is not None]
+
+
+def sum_stats(stats: list[wire.WorkerStats]) -> dict[str, float]:
+    """The sum of every numeric field over the replicas' stats."""
+    totals: dict[str, float] = {}
+    for replica in stats:
+        for k, v in replica.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                totals[k] = totals.get(k, 0) + v
+    return totals
 
 
 def _not_started(r: EngineRequest) -> bool:
@@ -211,3 +229,65 @@ async def _bounded(call: Any, timeout_s: float) -> Any:
 
 async def _await(call: Any) -> Any:
     return await call
+
+
+async def fan_out(batch: Batch, messages: AsyncIterator[wire.WorkerMessage],
+                  on_opened: Callable[[Batch], None] | None = None,
+                  live: dict[str, EngineRequest] | None = None) -> str | None:
+    """Route each Worker message's parts to the requests' queues.
+
+    Parts name their request by position in the batch, or by request id, looked up in
+    ``live`` (a stream shared by several batches; finished requests leave ``live``).
+    ``on_opened`` sees the batch once its call opened a stream (to abort requests already gone,
+    and to let later batches join). Returns the stream's id when the batch joined an open
+    stream there (its call then ends at once and the stream's own ``fan_out`` carries the
+    requests), else None when the stream ended.
+    """
+    def find(key: int | str) -> EngineRequest | None:
+        if isinstance(key, int):
+            return batch.requests[key]
+        return live.get(key) if live is not None else None
+
+    async for msg in messages:
+        if isinstance(msg, wire.StreamAttach):
+            batch.mark_routed(msg.replica)
+            if msg.attached:
+                return msg.stream
+            batch.open_stream(msg.stream)
+            if on_opened is not None:
+                on_opened(batch)
+            continue
+        _deliver(msg, find, live)
+    return None
+
+
+def _deliver(msg: wire.StepMessage, find: Callable[[int | str], EngineRequest | None],
+             live: dict[str, EngineRequest] | None) -> None:
+    """One step's parts to their requests; first tokens are handed out first, so that their
+    handlers run (and write) first."""
+    now = time.monotonic()
+    later = []
+    for part in msg.tokens:
+        r = find(part.key)
+        if r is None:
+            continue
+        if r.note_output(now):
+            r.put(part)
+        else:
+            later.append((r, part))
+    for r, part in later:
+        r.put(part)
+    ends: list[wire.DonePart | wire.ErrorPart] = [*msg.done, *msg.errors]
+    for end in ends:
+        r = find(end.key)
+        if r is None:
+            continue
+        r.finish(end)
+        if live is not None:
+            live.pop(r.request_id, None)
+
+
+def fail_unfinished(requests: list[EngineRequest], status: int, message: str) -> None:
+    """End every request the Worker will not finish (their call failed or was cancelled)."""
+    for r in requests:
+        r.fail(status, message)

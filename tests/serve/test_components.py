@@ -1,27 +1,24 @@
-"""The serving layer's parts without a Ray cluster: config, protocol, batcher, request router,
-response streams, and the Serve config file against Ray's own schema."""
+"""The serving layer's settings without a Ray cluster: config, builder arguments, ingress
+switches, the protocol's request models, and the Serve config file against Ray's own schema.
+
+The batcher, response streams, request router and Worker client have files of their own
+(``test_batcher.py``, ``test_streams.py``, ``test_request_router.py``,
+``test_worker_client.py``)."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import yaml
 from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
-from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 from ray.serve.schema import ServeDeploySchema
 
-from engine.sampling_params import SamplingParams
 from serve_app.app import FAST_PATH_ENV, build_app, worker_options
-from serve_app.batcher import Batch, DynamicBatcher, EngineRequest, fan_out
 from serve_app.config import AppConfig
 from serve_app.errors import APIError
 from serve_app.ingress import serve_at_normal_priority, use_fast_ingress
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest, parse_request
-from serve_app.request_router import WorkerRequestRouter, prefix_hashes
-from serve_app.streams import ResponseStream
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -163,256 +160,6 @@ def test_prompt_forms():
     assert prompts('["a", "b"]') == ["a", "b"]
     assert prompts("[1, 2]") == [[1, 2]]
     assert prompts("[[1], [2, 3]]") == [[1], [2, 3]]
-
-
-# ---- batcher ---------------------------------------------------------------------------------
-
-def _req(n_tokens: int = 4) -> EngineRequest:
-    return EngineRequest(list(range(n_tokens)), SamplingParams(max_tokens=2))
-
-
-def test_batcher_flushes_when_idle_on_size_on_time_and_when_routed():
-    async def run():
-        sent: list[Batch] = []
-
-        async def send(batch: Batch) -> None:  # a Worker that answers when the test says so
-            sent.append(batch)
-            await asyncio.sleep(3600)
-
-        def sizes() -> list[int]:
-            return [len(b.requests) for b in sent]
-
-        def route(i: int) -> None:
-            sent[i].mark_routed("replica-a")
-
-        b = DynamicBatcher(send, max_batch_size=3, batch_wait_s=0.05)
-        b.submit(_req())
-        await asyncio.sleep(0)
-        assert sizes() == [1]  # nothing on its way: sent at once, alone
-        for _ in range(4):
-            b.submit(_req())
-        await asyncio.sleep(0)
-        assert sizes() == [1, 3]  # waited for the first; a full batch goes at once
-        await asyncio.sleep(0.1)
-        assert sizes() == [1, 3, 1]  # the last one waited batch_wait_s
-        b.submit(_req())
-        b.submit(_req())
-        await asyncio.sleep(0.01)
-        assert sizes() == [1, 3, 1]  # three batches on their way
-        route(0)
-        route(1)
-        await asyncio.sleep(0)
-        assert sizes() == [1, 3, 1]
-        route(2)  # the last one routed: what waited goes now, before its timer
-        await asyncio.sleep(0.001)
-        assert sizes() == [1, 3, 1, 2]
-        per_request = DynamicBatcher(send, max_batch_size=1, batch_wait_s=0.0)
-        per_request.submit(_req())
-        per_request.submit(_req())
-        await asyncio.sleep(0)
-        assert sizes() == [1, 3, 1, 2, 1, 1]
-        route(3)
-        await asyncio.sleep(0.001)  # nothing on its way now
-        b.submit(*[_req() for _ in range(5)])  # one HTTP request's prompts: not one alone first
-        await asyncio.sleep(0)
-        assert sizes() == [1, 3, 1, 2, 1, 1, 3, 2]
-        for task in asyncio.all_tasks() - {asyncio.current_task()}:
-            task.cancel()
-
-    asyncio.run(run())
-
-
-def test_fan_out_routes_step_messages_to_requests():
-    async def run():
-        reqs = [_req(), _req()]
-        batch = Batch(reqs)
-
-        async def messages():
-            yield {"replica": "r1"}
-            yield {"t": [[0, 0, [5], None, None], [1, 0, [6, 7], "length", None]],
-                   "done": [[1, 4, 0]]}
-            yield {"t": [[0, 0, [8], "stop", None]], "done": [[0, 4, 0]]}
-
-        await fan_out(batch, messages())
-        assert all(r.replica == "r1" and r.finished for r in reqs)
-        got0 = [reqs[0].events.get_nowait()[1] for _ in range(3)]
-        assert got0 == [("t", 0, [5], None, None), ("t", 0, [8], "stop", None),
-                        ("done", 4, 0)]
-        assert reqs[1].events.get_nowait()[1] == ("t", 0, [6, 7], "length", None)
-
-    asyncio.run(run())
-
-
-# ---- response stream: stop strings -----------------------------------------------------------
-
-def test_stop_string_cuts_text_and_releases_the_request():
-    from transformers import AutoTokenizer
-
-    from engine.default_model import default_model_path
-
-    tok = AutoTokenizer.from_pretrained(str(default_model_path()))
-    ids = tok("The quick brown fox jumps", add_special_tokens=False).input_ids
-
-    async def run():
-        r = _req()
-        released = []
-        stream = ResponseStream([r], tok, stop=[" brown"], include_stop_str_in_output=False,
-                                skip_special_tokens=True, num_logprobs=None,
-                                release=released.append)
-        for t in ids:
-            r.events.put_nowait((r, ("t", 0, [t], None, None)))
-        r.events.put_nowait((r, ("done", 4, 0)))
-        text, finish = "", None
-        async for deltas in stream.deltas():
-            for d in deltas:
-                text += d.text
-                finish = d.finish_reason or finish
-        return text, finish, released
-
-    text, finish, released = asyncio.run(run())
-    assert text == "The quick"
-    assert finish == "stop"
-    assert len(released) == 1
-
-
-# ---- request router --------------------------------------------------------------------------
-
-def _router(**kwargs) -> WorkerRequestRouter:
-    r = WorkerRequestRouter(deployment_id=DeploymentID(name="WorkerTest", app_name="t"),
-                            handle_source=DeploymentHandleSource.UNKNOWN)
-    r.initialize_state(**{"prefix_chunk_tokens": 4, "prefix_min_match_tokens": 8,
-                          "imbalance_threshold": 4, **kwargs})
-    return r
-
-
-def _replica(uid: str, running: int = 0, waiting: int = 0, free: int = 100):
-    return SimpleNamespace(
-        replica_id=ReplicaID(uid, DeploymentID(name="WorkerTest", app_name="t")),
-        routing_stats={"num_running": running, "num_waiting": waiting, "num_free_blocks": free,
-                       "num_total_blocks": 100},
-        max_ongoing_requests=100)
-
-
-def _pending(**kwargs):
-    return SimpleNamespace(args=[], kwargs=kwargs, routing_context=SimpleNamespace())
-
-
-def _choose(router, replicas, pending):
-    ranks = asyncio.run(router.choose_replicas(replicas, pending))
-    return [r.replica_id.unique_id for rank in ranks for r in rank]
-
-
-def test_least_loaded_by_queue_then_free_blocks():
-    router = _router()
-    a, b, c = _replica("a", running=4, waiting=2), _replica("b", running=3), \
-        _replica("c", running=3, free=10)
-    assert _choose(router, [a, b, c], _pending(requests=[1])) == ["b", "c", "a"]
-
-
-def test_control_call_goes_to_the_named_replica():
-    router = _router()
-    a, b = _replica("a"), _replica("b", running=50)
-    assert _choose(router, [a, b], _pending(request_ids=["r"], target_replica="b")) == ["b"]
-
-
-def test_sent_batches_count_until_a_report_has_received_them():
-    router = _router()
-    a, b = _replica("a"), _replica("b", running=1)
-    router.on_request_routed(_pending(requests=[1, 2, 3], stream_key="k"), a.replica_id, None)
-    assert router.load(a) == 3
-    assert _choose(router, [a, b], _pending(requests=[1])) == ["b", "a"]
-    # a report taken while the batch was in transit (after it was sent, without it) counts it
-    a.routing_stats.update(received={"k": 0})
-    assert router.load(a) == 3
-    # another Router's requests at the replica do not cover ours
-    a.routing_stats.update(received={"other": 3, "k": 1}, num_running=1)
-    assert router.load(a) == 1 + 2
-    a.routing_stats.update(received={"k": 3}, num_running=0)  # received, and done
-    assert router.load(a) == 0
-    assert _choose(router, [a, b], _pending(requests=[1])) == ["a", "b"]
-
-
-def test_prefix_affinity_unless_much_busier():
-    router = _router()
-    a, b = _replica("a"), _replica("b")
-    prompt = list(range(40))
-    hashes = [prefix_hashes(prompt, 4)]
-    router.on_request_routed(_pending(requests=[1], prefix_hashes=hashes, stream_key="k"),
-                             b.replica_id, None)
-    b.routing_stats["received"] = {"k": 1}
-    a.routing_stats["num_running"] = 1  # b would win on load alone anyway: make a lighter
-    b.routing_stats["num_running"] = 3
-    assert _choose(router, [a, b], _pending(requests=[1], prefix_hashes=hashes))[0] == "b"
-    other = [prefix_hashes(list(range(100, 140)), 4)]
-    assert _choose(router, [a, b], _pending(requests=[1], prefix_hashes=other))[0] == "a"
-    b.routing_stats["num_running"] = 10  # much busier than a (threshold 4)
-    assert _choose(router, [a, b], _pending(requests=[1], prefix_hashes=hashes))[0] == "a"
-
-
-def test_prefix_hashes_are_chained_and_skip_the_last_token():
-    assert len(prefix_hashes(list(range(9)), 4)) == 2
-    assert len(prefix_hashes(list(range(8)), 4)) == 1  # the last token is never covered
-    x, y = prefix_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], 4), prefix_hashes([0, 2, 3, 4, 5, 6, 7, 8, 9], 4)
-    assert x[1] != y[1]  # a different first chunk changes every later hash
-
-
-# ---- worker client: leaving early ------------------------------------------------------------
-
-class _FakeCall:
-    def __init__(self, log, name, kwargs):
-        log.append((name, kwargs))
-
-    def __await__(self):
-        return asyncio.sleep(0, result=1).__await__()
-
-    def cancel(self):
-        pass
-
-
-class _FakeHandle:
-    def __init__(self):
-        self.calls: list = []
-
-    def options(self, **_):
-        return self
-
-    def __getattr__(self, name):
-        log = self.calls
-        return SimpleNamespace(remote=lambda **kw: _FakeCall(log, name, kw))
-
-
-def test_leaving_early_aborts_at_the_replica_or_cancels_the_batch():
-    """A routed request is aborted at its replica (its stream may carry other batches'
-    requests, so the call is never cancelled for it); a batch not at a Worker yet whose
-    clients all left is dropped by cancelling its call."""
-    from serve_app.worker_client import WorkerClient
-
-    async def run():
-        handle = _FakeHandle()
-        client = WorkerClient(handle)
-        a, b = _req(), _req()
-        batch = Batch([a, b], task=asyncio.get_running_loop().create_task(asyncio.sleep(10)))
-        for r in (a, b):
-            r.batch, r.replica = batch, "rep-7"
-        client.release(a)
-        client.release(b)
-        await asyncio.sleep(0.01)
-        assert handle.calls == [
-            ("abort", {"request_ids": [a.request_id], "target_replica": "rep-7"}),
-            ("abort", {"request_ids": [b.request_id], "target_replica": "rep-7"})]
-        assert not batch.task.done()
-        c, d = _req(), _req()
-        unrouted = Batch([c, d], task=asyncio.get_running_loop().create_task(asyncio.sleep(10)))
-        c.batch = d.batch = unrouted
-        client.release(c)  # d still listens: nothing to do yet
-        await asyncio.sleep(0)
-        assert not unrouted.task.done()
-        client.release(d)  # nobody listens and nothing reached a Worker: drop the call
-        await asyncio.sleep(0)
-        assert unrouted.task.cancelled() and len(handle.calls) == 2
-        batch.task.cancel()
-
-    asyncio.run(run())
 
 
 def test_api_key_file_is_read_and_checked(tmp_path):

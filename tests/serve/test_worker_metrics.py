@@ -150,3 +150,29 @@ def test_router_batches_rejections_and_http_statuses(recorded):
 ])
 def test_handler_label_is_bounded(path, root, handler):
     assert metrics._handler({"path": path, "root_path": root}) == handler
+
+
+def test_http_middleware_counts_into_the_metrics_it_is_given(recorded):
+    """The Router hands its replica's metrics to the middleware of the app Serve serves (no
+    module global): every response is counted there, by handler and status."""
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from serve_app.router import Router
+
+    rm = metrics.RouterMetrics("m", "router1")
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    served = Router.func_or_class.__serve_build_asgi_app__(SimpleNamespace(app=app, metrics=rm))
+    assert served is app
+    with TestClient(app) as client:
+        assert client.get("/health").status_code == 200
+        assert client.get("/v1/nothing").status_code == 404
+    assert recorded["http_requests_total"].calls == [
+        (1, {"handler": "/health", "status": "200"}), (1, {"handler": "other", "status": "404"})]

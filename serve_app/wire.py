@@ -1,0 +1,149 @@
+"""What the Router and a Worker replica say to each other, as types.
+
+A batch is one streaming ``Worker.generate_batch`` call carrying ``WorkerRequest``s. The call
+streams back a ``StreamAttach`` first, then (unless it joined an open stream) one
+``StepMessage`` per engine step with the parts of every request its stream carries:
+
+* ``TokenPart``: new tokens of one sequence of a request (and their logprobs);
+* ``DonePart``: the request is finished at the Worker (normally, or aborted);
+* ``ErrorPart``: the request failed (400 for bad input, 500 for an engine error).
+
+A part's ``key`` names its request: its request id when the call named a ``stream_key`` (the
+stream may carry the requests of several batches), else its position in the batch. The Router
+hands the parts on to each request's handler as they came (``EngineRequest.events``).
+
+NamedTuples pickle as tuples plus one reference to their class per message, so the wire stays
+as compact as the plain tuples and lists it carried before these types.
+
+The other calls' answers are TypedDicts: ``ModelInfo`` (``Worker.model_info``), ``WorkerStats``
+(``Worker.get_stats``), and the two reports Serve collects from each Worker replica,
+``RoutingStats`` (``record_routing_stats``, read by ``WorkerRequestRouter``) and
+``AutoscalingStats`` (``record_autoscaling_stats``, read by ``QueueDepthPolicy``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, NamedTuple, TypedDict
+
+from engine.outputs import Logprobs
+from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
+
+# ---- generate_batch ----------------------------------------------------------------------------
+
+
+class WorkerRequest(NamedTuple):
+    """One already-tokenized prompt of a batch."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class StreamAttach(NamedTuple):
+    """The first message of every ``generate_batch`` call."""
+
+    replica: str  # the Worker replica that took the batch (control calls name it)
+    stream: str  # the id of the stream that carries the batch's requests
+    attached: bool  # True: the batch joined that open stream, and this call ends here
+
+
+class TokenPart(NamedTuple):
+    key: int | str  # the request: its id, or its position in the batch
+    seq_index: int  # which of the request's ``n`` sequences
+    token_ids: list[int]  # new since the previous part
+    finish_reason: str | None  # "stop" | "length" | "abort" on the sequence's last tokens
+    logprobs: list[Logprobs] | None  # one per new token, when the request asked for them
+
+
+class DonePart(NamedTuple):
+    key: int | str
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens found in the prefix cache
+
+
+class ErrorPart(NamedTuple):
+    key: int | str
+    status: int  # the HTTP status the Router answers with
+    message: str
+
+
+Part = TokenPart | DonePart | ErrorPart
+
+
+class StepMessage(NamedTuple):
+    """Everything one engine step produced for the requests of one stream."""
+
+    tokens: list[TokenPart]
+    done: list[DonePart]
+    errors: list[ErrorPart]
+
+    @classmethod
+    def gather(cls, first: Part, queue: asyncio.Queue[Part]) -> StepMessage:
+        """``first`` and every part queued behind it now: one engine step's."""
+        message = cls([], [], [])
+        part: Part | None = first
+        while part is not None:
+            if isinstance(part, TokenPart):
+                message.tokens.append(part)
+            elif isinstance(part, DonePart):
+                message.done.append(part)
+            else:
+                message.errors.append(part)
+            part = queue.get_nowait() if not queue.empty() else None
+        return message
+
+    @property
+    def num_finished(self) -> int:
+        """Requests it ends."""
+        return len(self.done) + len(self.errors)
+
+
+WorkerMessage = StreamAttach | StepMessage
+
+
+# ---- control calls and reports -----------------------------------------------------------------
+
+
+class ModelInfo(TypedDict):
+    """``Worker.model_info``: what the Router needs to prepare prompts."""
+
+    replica: str
+    model_name: str
+    max_model_len: int
+    dtype: str  # the activations' dtype in use, e.g. "float32"
+    tokenizer: Any  # the model's Hugging Face tokenizer
+
+
+class WorkerStats(EngineStats):
+    """``Worker.get_stats``: the engine's stats and the replica's own counters."""
+
+    output_tokens_per_s: float  # over the engine's last few seconds
+    replica: str
+    requests_total: int
+    aborted_total: int  # requests stopped here by an abort control call
+    rss_bytes: int  # the replica process's resident memory
+    batches_total: int
+    batches_running: int
+
+
+class RoutingStats(TypedDict):
+    """``Worker.record_routing_stats``. ``WorkerRequestRouter`` reads it with defaults: a
+    replica has none before its first report."""
+
+    num_waiting: int
+    num_running: int
+    num_free_blocks: int
+    num_total_blocks: int
+    received: dict[str, int]  # requests received per ``stream_key`` (per Router)
+
+
+class AutoscalingStats(TypedDict):
+    """``Worker.record_autoscaling_stats``, the metrics ``QueueDepthPolicy`` reads by name."""
+
+    num_waiting: float
+    num_running: float
+    kv_cache_usage: float  # share of KV-cache blocks in use, 0..1
+    seq_slot_usage: float  # running sequences / max_num_seqs
+    output_tokens_per_s: float
