@@ -16,7 +16,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, overload
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -53,8 +54,9 @@ class LazyJIT:
             _bind_module(self.fn.__globals__)
         return self._kernel
 
-    def __getitem__(self, grid: Any) -> Any:
-        return self.materialize()[grid]
+    def __getitem__(self, grid: Any) -> Callable[..., Any]:
+        launcher: Callable[..., Any] = self.materialize()[grid]
+        return launcher
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(f"{self.fn.__name__} is a Triton function: launch it as kernel[grid](...)")
@@ -75,14 +77,26 @@ def _bind_module(namespace: dict[str, Any]) -> None:
 
 
 class _LazyTriton(_LazyModule):
+    """``triton`` with a typed ``jit``: a kernel is a `LazyJIT`, launched as ``kernel[grid]``."""
+
+    @overload
     @staticmethod
-    def jit(fn: Any = None, **kwargs: Any) -> Any:
+    def jit(fn: Callable[..., Any]) -> LazyJIT: ...
+
+    @overload
+    @staticmethod
+    def jit(fn: None = None, **kwargs: Any) -> Callable[[Callable[..., Any]], LazyJIT]: ...
+
+    @staticmethod
+    def jit(
+        fn: Callable[..., Any] | None = None, **kwargs: Any
+    ) -> LazyJIT | Callable[[Callable[..., Any]], LazyJIT]:
         if fn is None:
             return lambda f: LazyJIT(f, kwargs)
         return LazyJIT(fn, kwargs)
 
 
-triton: Any = _LazyTriton("triton")
+triton: _LazyTriton = _LazyTriton("triton")
 tl: Any = _LazyModule("triton.language")
 
 

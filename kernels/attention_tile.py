@@ -8,7 +8,18 @@ so the tile size is independent of the cache's block_size. Scores live in the lo
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 from kernels._triton import tl, triton
+
+
+class TileLaunchArgs(TypedDict):
+    """The launch arguments both attention kernels take for `attend_range`."""
+
+    qk_scale: float  # softmax scale * log2(e)
+    TILE_N: int
+    D_PAD: int
+    FP32_DOT: bool
 
 
 @triton.jit

@@ -28,7 +28,9 @@ _PACK_BATCH_HINT = 64  # oneDNN picks its blocking for this M; any M runs on the
 def packing_supported(weight: torch.Tensor) -> bool:
     if not settings.current().packed_gemm:
         return False
-    if weight.device.type != "cpu" or weight.dim() != 2 or not torch.backends.mkldnn.is_available():
+    if weight.device.type != "cpu" or weight.dim() != 2:
+        return False
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]  # unannotated in torch
         return False
     if weight.dtype == torch.float32:
         return True
@@ -37,7 +39,8 @@ def packing_supported(weight: torch.Tensor) -> bool:
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] -> an opaque oneDNN tensor for ``packed_linear``."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
+    packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
+    return packed
 
 
 def take_packed(param: torch.nn.Parameter, keep_plain: bool = False) -> torch.Tensor | None:
@@ -67,14 +70,19 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
         xp = x.new_empty((mp, x.shape[1]))
         xp[:m] = x
         xp[m:] = 0
-        return torch.ops.mkldnn._linear_pointwise(xp, packed, bias, "none", [], "")[:m]
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return _linear(xp, packed, bias)[:m]
+    return _linear(x, packed, bias)
+
+
+def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return out
 
 
 def warm_up(packed: list[tuple[torch.Tensor, torch.Tensor | None]], max_rows: int) -> int:
     """Build oneDNN's kernel of every row bucket up to ``max_rows`` for each distinct
     ``(packed weight [N, K], bias)`` shape; returns how many products ran."""
-    seen: set[tuple] = set()
+    seen: set[tuple[tuple[int, ...], bool]] = set()
     runs = 0
     for weight, bias in packed:
         k = weight.shape[1]
@@ -85,7 +93,7 @@ def warm_up(packed: list[tuple[torch.Tensor, torch.Tensor | None]], max_rows: in
         m = 8
         while m <= padded_rows(max_rows):
             x = torch.zeros(m, k, dtype=weight.dtype)
-            torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+            _linear(x, weight, bias)
             runs += 1
             m += 8 if m < 256 else 64
     return runs

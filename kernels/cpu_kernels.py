@@ -154,7 +154,9 @@ def _threads() -> int:
 
 
 # ----------------------------------------------------------------------------- attention
-def supports_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc) -> bool:
+def supports_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                       query_start_loc: torch.Tensor) -> bool:
     """Whether the C kernel takes these tensors as they are (else use the reference)."""
     num_q_heads, head_size = query.shape[1], query.shape[2]
     return (
@@ -170,8 +172,9 @@ def supports_attention(query, k_cache, v_cache, block_tables, seq_lens, query_st
     )
 
 
-def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                    scale: float) -> torch.Tensor:
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
     """query [T, Hq, D] -> [T, Hq, D]: the contract of ``kernels.ops.paged_attention``."""
     num_tokens, num_q_heads, head_size = query.shape
     out = torch.empty(query.shape, dtype=query.dtype)
@@ -220,7 +223,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def supports_rotary(positions, query, key, cos_sin_cache, head_size: int) -> bool:
+def supports_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                    cos_sin_cache: torch.Tensor, head_size: int) -> bool:
     return (_rows_ok(query) and _rows_ok(key, query.dtype) and head_size % 2 == 0
             and query.shape[1] % head_size == 0 and key.shape[1] % head_size == 0
             and positions.dtype == torch.int64 and positions.is_contiguous()
@@ -229,7 +233,8 @@ def supports_rotary(positions, query, key, cos_sin_cache, head_size: int) -> boo
             and cos_sin_cache.shape[1] == head_size and available())
 
 
-def rotary_embedding(positions, query, key, cos_sin_cache, head_size: int) -> None:
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, head_size: int) -> None:
     _check(_library().rotary_cpu(
         positions.data_ptr(), query.data_ptr(), key.data_ptr(), cos_sin_cache.data_ptr(),
         query.shape[0], query.shape[1] // head_size, key.shape[1] // head_size, head_size,
@@ -237,7 +242,8 @@ def rotary_embedding(positions, query, key, cos_sin_cache, head_size: int) -> No
         _threads()), "rotary_cpu")
 
 
-def supports_store(key, value, k_cache, v_cache, slot_mapping) -> bool:
+def supports_store(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
     return (key.device.type == "cpu" and key.dim() == 3 and value.shape == key.shape
             and key.dtype == value.dtype == k_cache.dtype == v_cache.dtype
             and key.stride(2) == 1 and value.stride(2) == 1
@@ -247,7 +253,8 @@ def supports_store(key, value, k_cache, v_cache, slot_mapping) -> bool:
             and available())
 
 
-def store_kv_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
+def store_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     _check(_library().store_kv_cpu(
         key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         slot_mapping.data_ptr(), key.shape[0], key.shape[1], key.shape[2], key.stride(0),

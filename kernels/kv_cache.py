@@ -57,7 +57,8 @@ def _store_kv_kernel(
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def _check_store_args(key, value, k_cache, v_cache, slot_mapping) -> None:
+def _check_store_args(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     if key.dim() != 3 or value.shape != key.shape:
         raise ValueError(f"key/value must be [T, Hk, D] alike, got {tuple(key.shape)} {tuple(value.shape)}")
     tokens, num_kv_heads, head_size = key.shape

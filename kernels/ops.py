@@ -8,7 +8,7 @@ pure-torch references; "triton" forces the Triton kernels (on the CPU only under
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -131,6 +131,7 @@ def paged_attention(
     max_seq_len: int,
 ) -> torch.Tensor:
     """Causal GQA attention of query [T, Hq, D] over the paged cache -> [T, Hq, D]."""
+    fn: Callable[..., torch.Tensor]
     if _use_triton(query):
         fn = _attn.paged_attention_triton
     elif _use_cpu(query) and _cpu.supports_attention(query, k_cache, v_cache, block_tables,

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import interpreting, next_power_of_2, tl, triton
-from kernels.attention_tile import attend_range, load_rows
+from kernels.attention_tile import TileLaunchArgs, attend_range, load_rows
 
 
 def gather_kv_ref(cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -32,7 +32,9 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
-def _decode_ref(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len):
+def _decode_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                max_seq_len: int) -> torch.Tensor:
     """One query token per sequence: query [B, Hq, D] -> [B, Hq, D], one batched call."""
     batch, num_q_heads, head_size = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -46,7 +48,8 @@ def _decode_ref(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_
     return out.reshape(batch, num_q_heads, head_size)
 
 
-def _prefill_ref(query, k_cache, v_cache, block_table, seq_len, scale):
+def _prefill_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
     """One sequence's chunk: query [q_len, Hq, D] (its last q_len positions)."""
     q_len, num_q_heads, head_size = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -186,7 +189,9 @@ def _paged_attention_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc) -> None:
+def _check_attention_args(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                          query_start_loc: torch.Tensor) -> None:
     if query.dim() != 3 or query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"query must be [T, Hq, D] fp16/bf16/fp32, got {query.dtype} {tuple(query.shape)}")
     _, num_q_heads, head_size = query.shape
@@ -260,8 +265,10 @@ def paged_attention_triton(
     return out
 
 
-def _launch_mixed(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                  max_query_len: int, common: dict) -> None:
+def _launch_mixed(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                  query_start_loc: torch.Tensor, max_query_len: int,
+                  common: TileLaunchArgs) -> None:
     """The one-pass kernel over a mixed batch: a program per block of query rows and kv head."""
     tokens, num_q_heads, head_size = query.shape
     num_seqs, num_kv_heads = block_tables.shape[0], k_cache.shape[2]
@@ -280,7 +287,7 @@ def _launch_mixed(out, query, k_cache, v_cache, block_tables, seq_lens, query_st
     )
 
 
-def _common_launch_args(query: torch.Tensor, k_cache: torch.Tensor, scale: float) -> dict:
+def _common_launch_args(query: torch.Tensor, k_cache: torch.Tensor, scale: float) -> TileLaunchArgs:
     # The interpreter computes bf16 arithmetic wrongly: there everything is upcast to fp32.
     return {
         "qk_scale": scale * LOG2E,

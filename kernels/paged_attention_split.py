@@ -13,7 +13,7 @@ import functools
 import torch
 
 from kernels._triton import next_power_of_2, tl, triton
-from kernels.attention_tile import attend_range, load_rows
+from kernels.attention_tile import TileLaunchArgs, attend_range, load_rows
 
 DEFAULT_PARTITION = 512
 MAX_SPLITS = 64
@@ -116,8 +116,11 @@ def split_pays(device: torch.device, num_seqs: int, num_kv_heads: int, max_seq_l
     return max_seq_len >= 2 * DEFAULT_PARTITION and num_seqs * num_kv_heads < _sm_count(device) // 2
 
 
-def launch_split(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                 max_seq_len: int, partition: int | None, common: dict) -> None:
+def launch_split(
+    out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+    max_seq_len: int, partition: int | None, common: TileLaunchArgs,
+) -> None:
     """Run the split and reduce kernels; arguments were checked by paged_attention_triton."""
     num_seqs, num_q_heads, head_size = query.shape
     num_kv_heads = k_cache.shape[2]

@@ -68,7 +68,9 @@ def _check_rows(name: str, t: torch.Tensor, shape: tuple[int, ...], ref: torch.T
         raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
 
 
-def _launch(x, residual, weight, eps):
+def _launch(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [T, H], got shape {tuple(x.shape)}")
     if not x.is_floating_point():
