@@ -9,9 +9,15 @@ run eagerly.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine.context import AttentionMetadata, set_context
+from engine.models.registry import CausalLM
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -20,7 +26,7 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, hidden_size: int, max_num_seqs: int,
+    def __init__(self, model: CausalLM, hidden_size: int, max_num_seqs: int,
                  max_blocks_per_seq: int, max_model_len: int, dtype: torch.dtype,
                  device: torch.device):
         self.model = model
@@ -36,7 +42,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pool = None
+        self.pool: _POOL_HANDLE | None = None  # the memory pool the graphs share
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(self.slot_mapping[:bs], self.block_tables[:bs],

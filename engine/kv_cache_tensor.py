@@ -11,12 +11,15 @@ layer's keys is one run of memory (gathers on the CPU copy whole blocks). Sized 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.config import CacheConfig
 from engine.distributed import all_reduce_min
+
+if TYPE_CHECKING:
+    from engine.layers.attention import Attention
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
@@ -40,7 +43,7 @@ def kv_budget_bytes(cache: CacheConfig, device: torch.device,
 
 
 class KVCacheTensor:
-    def __init__(self, attn_layers: Sequence[Any], block_size: int, dtype: torch.dtype,
+    def __init__(self, attn_layers: Sequence[Attention], block_size: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.layers = list(attn_layers)
         self.block_size, self.dtype, self.device = block_size, dtype, device

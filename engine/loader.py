@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,21 +30,32 @@ class TensorSlice:
     """A checkpoint tensor left in its safetensors file. ``narrow`` reads only the part asked
     for; ``read`` reads it whole. Shaped like the tensor (``shape``, ``dim()``)."""
 
-    def __init__(self, handle, name: str):
-        self._slice = handle.get_slice(name)
+    def __init__(self, handle: safe_open, name: str):
+        self._slice = handle.get_slice(name)  # type: ignore[no-untyped-call]  # unannotated stub
         self.shape = torch.Size(self._slice.get_shape())
 
     def dim(self) -> int:
         return len(self.shape)
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
-        return self._slice[(slice(None),) * dim + (slice(start, start + length),)]
+        part: torch.Tensor = self._slice[(slice(None),) * dim + (slice(start, start + length),)]
+        return part
 
     def read(self) -> torch.Tensor:
-        return self._slice[:]
+        whole: torch.Tensor = self._slice[:]
+        return whole
 
 
 Loaded = torch.Tensor | TensorSlice
+# Which part of a packed parameter a checkpoint tensor is: "q"/"k"/"v", a gate/up index, or None.
+ShardId = str | int | None
+# A parameter's ``weight_loader(param, loaded, shard_id)``: copies its part of ``loaded`` in.
+WeightLoader = Callable[[nn.Parameter, Loaded, ShardId], None]
+
+
+def set_weight_loader(param: nn.Parameter, loader: WeightLoader) -> None:
+    """Attach the loader that fills ``param`` (a plain attribute, read by ``load_weights``)."""
+    param.weight_loader = loader  # type: ignore[attr-defined]  # an attribute torch does not declare
 
 
 def as_tensor(loaded: Loaded) -> torch.Tensor:
@@ -84,7 +96,7 @@ def safetensors_files(folder: str | Path) -> list[Path]:
     return files
 
 
-def _target(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, object]:
+def _target(name: str, packed: dict[str, tuple[str, ShardId]]) -> tuple[str, ShardId]:
     for part, (packed_name, shard_id) in packed.items():
         if f".{part}." in name:
             return name.replace(f".{part}.", f".{packed_name}."), shard_id
@@ -95,7 +107,7 @@ def load_weights(model: nn.Module, folder: str | Path, progress: bool = True) ->
     """Fill ``model``'s parameters from the checkpoint; raise ``ValueError`` naming any missing
     tensor, unknown packed target or shape mismatch."""
     params = dict(model.named_parameters(remove_duplicate=False))
-    packed = getattr(model, "packed_modules_mapping", {})
+    packed: dict[str, tuple[str, ShardId]] = getattr(model, "packed_modules_mapping", {})
     loaded: set[str] = set()
     files = safetensors_files(folder)
     bar = tqdm(total=len(files), desc="Loading weights", unit="file", disable=not progress)
@@ -112,7 +124,7 @@ def load_weights(model: nn.Module, folder: str | Path, progress: bool = True) ->
                 param = params.get(target)
                 if param is None:
                     continue  # tensors the architecture does not use
-                loader = getattr(param, "weight_loader", None)
+                loader: WeightLoader | None = getattr(param, "weight_loader", None)
                 try:
                     if loader is None:
                         default_weight_loader(param, f.get_tensor(name))
@@ -126,7 +138,7 @@ def load_weights(model: nn.Module, folder: str | Path, progress: bool = True) ->
     _check_complete(model, params, packed, loaded)
 
 
-def default_weight_loader(param: nn.Parameter, loaded: Loaded, shard_id=None) -> None:
+def default_weight_loader(param: nn.Parameter, loaded: Loaded, shard_id: ShardId = None) -> None:
     """For unsharded parameters (norm weights): copy the whole tensor."""
     if param.shape != loaded.shape:
         raise ValueError(f"expected shape {tuple(param.shape)}, checkpoint gives "
@@ -134,7 +146,8 @@ def default_weight_loader(param: nn.Parameter, loaded: Loaded, shard_id=None) ->
     param.data.copy_(as_tensor(loaded))
 
 
-def _check_complete(model: nn.Module, params: dict, packed: dict, loaded: set[str]) -> None:
+def _check_complete(model: nn.Module, params: dict[str, nn.Parameter],
+                    packed: dict[str, tuple[str, ShardId]], loaded: set[str]) -> None:
     expected: set[str] = set()
     for name in params:
         shard_ids = [sid for part, (pname, sid) in packed.items() if f".{pname}." in name]

@@ -10,6 +10,8 @@ rank 0, which alone samples.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine import step_message
@@ -21,13 +23,18 @@ from engine.distributed import broadcast_cpu, tp_rank, tp_size
 from engine.envs import configure_kernels
 from engine.kv_cache_tensor import KVCacheTensor, kv_budget_bytes
 from engine.layers.attention import Attention
+from engine.layers.embedding import ParallelLMHead
+from engine.layers.linear import LinearBase
 from engine.layers.sampler import Sampler, SamplerOutput
 from engine.loader import load_weights
 from engine.models.hf_config import HFConfig
-from engine.models.registry import model_class
+from engine.models.registry import CausalLM, model_class
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
 from kernels import cpu_gemm
+
+if TYPE_CHECKING:
+    from engine.cuda_graphs import DecodeGraphs
 
 
 class ModelRunner:
@@ -51,7 +58,7 @@ class ModelRunner:
         self.graphs = self._capture_graphs() if self._use_graphs() else None
 
     # ----------------------------------------------------------------- start-up
-    def _build_model(self, model_path: str, progress: bool) -> torch.nn.Module:
+    def _build_model(self, model_path: str, progress: bool) -> CausalLM:
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
@@ -64,11 +71,11 @@ class ModelRunner:
         self._warm_up_packed(model)
         return model.eval()
 
-    def _warm_up_packed(self, model: torch.nn.Module) -> None:
+    def _warm_up_packed(self, model: CausalLM) -> None:
         """Prepacked CPU matmuls: build oneDNN's kernels for the row counts of decode steps
         (up to 256 rows: cheap products); a larger bucket's is built when a step first uses it."""
-        packed = [(m.packed, getattr(m, "bias", None))
-                  for m in model.modules() if getattr(m, "packed", None) is not None]
+        packed = [(m.packed, getattr(m, "bias", None)) for m in model.modules()
+                  if isinstance(m, (LinearBase, ParallelLMHead)) and m.packed is not None]
         if packed:
             cpu_gemm.warm_up(packed, min(256, self.config.scheduler.max_num_batched_tokens))
 
@@ -100,7 +107,7 @@ class ModelRunner:
     def _use_graphs(self) -> bool:
         return self.device.type == "cuda" and not self.config.device.enforce_eager
 
-    def _capture_graphs(self):
+    def _capture_graphs(self) -> DecodeGraphs:
         from engine.cuda_graphs import DecodeGraphs
 
         graphs = DecodeGraphs(self.model, self.hf.hidden_size,
@@ -143,6 +150,7 @@ class ModelRunner:
         if not sample_reqs:
             return [], None
         logits = self.model.compute_logits(hidden[sample_idx])
+        assert logits is not None and self.sampler is not None  # a single rank is rank 0
         return sample_reqs, self.sampler(logits, sample_reqs)
 
     # ----------------------------------------------------------------- tensor parallelism

@@ -24,8 +24,11 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        ops.store_kv_cache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
-        out = ops.paged_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.seq_lens,
+        k_cache, v_cache = self.k_cache, self.v_cache
+        if k_cache is None or v_cache is None:
+            raise RuntimeError("Attention: no KV cache bound (the model runner binds it)")
+        ops.store_kv_cache(k, v, k_cache, v_cache, ctx.slot_mapping)
+        out = ops.paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens,
                                   ctx.query_start_loc, self.scale, ctx.max_query_len,
                                   ctx.max_seq_len)
         return out.view(-1, self.num_heads * self.head_dim)

@@ -7,26 +7,30 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import all_reduce, divide, gather_last_dim, tp_rank, tp_size
-from engine.loader import Loaded, as_tensor, shard
+from engine.loader import Loaded, ShardId, as_tensor, set_weight_loader, shard
 from kernels import cpu_gemm
 
 
-class VocabParallelEmbedding(nn.Module):
+class _VocabParallel(nn.Module):
+    """A [vocab_size, hidden] weight of which this rank holds rows start..start+shard_size."""
+
     def __init__(self, vocab_size: int, hidden: int):
         super().__init__()
         self.vocab_size = vocab_size
         self.shard_size = divide(vocab_size, tp_size(), "vocab_size")
         self.start = tp_rank() * self.shard_size
         self.weight = nn.Parameter(torch.empty(self.shard_size, hidden), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        set_weight_loader(self.weight, self.weight_loader)
 
-    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: ShardId = None) -> None:
         part = shard(loaded, 0, tp_rank(), tp_size(), self.shard_size, "embedding")
         if part.shape != param.shape:
             raise ValueError(f"embedding: expected shape {tuple(param.shape)}, checkpoint gives "
                              f"{tuple(part.shape)}")
         param.data.copy_(as_tensor(part))
 
+
+class VocabParallelEmbedding(_VocabParallel):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if tp_size() == 1:
             return F.embedding(input_ids, self.weight)
@@ -37,7 +41,7 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(_VocabParallel):
     """Logits for the rows of ``hidden`` given; rank 0 receives the full vocabulary."""
 
     def __init__(self, vocab_size: int, hidden: int):

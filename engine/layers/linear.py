@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import all_reduce, divide, tp_rank, tp_size
-from engine.loader import Loaded, as_tensor, shard
+from engine.loader import Loaded, ShardId, as_tensor, set_weight_loader, shard
 from kernels import cpu_gemm
 
 
@@ -31,10 +31,10 @@ class LinearBase(nn.Module):
         super().__init__()
         self.shard_dim = shard_dim  # dimension of the full weight that ranks split (None: whole)
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        set_weight_loader(self.weight, self.weight_loader)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
+            set_weight_loader(self.bias, self.weight_loader)
         else:
             self.register_parameter("bias", None)
         self.packed: torch.Tensor | None = None  # the weight prepacked for oneDNN (CPU)
@@ -49,7 +49,7 @@ class LinearBase(nn.Module):
             return cpu_gemm.packed_linear(x, self.packed, bias)
         return F.linear(x, self.weight, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: ShardId = None) -> None:
         dim = self.shard_dim
         if dim is not None and not (dim == 1 and loaded.dim() == 1):  # row-parallel bias: whole
             loaded = shard(loaded, dim, tp_rank(), tp_size(), param.shape[dim])
@@ -76,7 +76,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: ShardId = None) -> None:
+        if not isinstance(shard_id, int):
+            raise TypeError(f"packed part index expected, got {shard_id!r}")
         tp = tp_size()
         offset = sum(self.output_sizes[:shard_id]) // tp
         size = self.output_sizes[shard_id] // tp
@@ -100,9 +102,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         LinearBase.__init__(self, hidden, out, bias, 0)
 
-    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: ShardId = None) -> None:
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
+        parts: dict[ShardId, tuple[int, int]] = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}
+        offset, size = parts[shard_id]
         tp, replicas = tp_size(), (1 if shard_id == "q" else self.num_kv_replicas)
         target = param.data.narrow(0, offset, size)
         part = shard(loaded, 0, tp_rank() // replicas, tp // replicas, size, f"{shard_id}_proj")

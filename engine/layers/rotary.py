@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,7 +17,7 @@ def _inv_freq(head_dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
 
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, rope: dict) -> torch.Tensor:
+def _llama3_inv_freq(inv_freq: torch.Tensor, rope: dict[str, Any]) -> torch.Tensor:
     """Llama 3.1 frequency scaling: long wavelengths divided by ``factor``, short ones kept, a
     smooth blend between."""
     factor = rope["factor"]
@@ -30,7 +31,10 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, rope: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, theta: float, rope: dict | None = None):
+    cos_sin_cache: torch.Tensor  # [max_position, head_dim] float32: cos | sin (a buffer)
+
+    def __init__(self, head_dim: int, max_position: int, theta: float,
+                 rope: dict[str, Any] | None = None):
         super().__init__()
         rope = dict(rope or {})
         kind = rope.get("rope_type", rope.get("type", "default"))
@@ -48,6 +52,7 @@ class RotaryEmbedding(nn.Module):
         cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ops.rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_dim)
         return q, k

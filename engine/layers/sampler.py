@@ -15,6 +15,7 @@ import torch
 
 from engine.outputs import Logprobs
 from engine.request import Request
+from engine.sampling_params import SamplingParams
 
 
 @dataclass
@@ -52,7 +53,7 @@ class Sampler:
         else:
             tokens = self._sample(logits, reqs)
         token_list = tokens.tolist()
-        out_logprobs = [None] * len(reqs)
+        out_logprobs: list[Logprobs | None] = [None] * len(reqs)
         if raw_logprobs is not None:
             out_logprobs = self._gather_logprobs(raw_logprobs, tokens, token_list, params)
         return SamplerOutput(token_list, out_logprobs)
@@ -95,27 +96,30 @@ class Sampler:
             probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, r in enumerate(reqs):
-            if r.params.seed is not None and not r.params.greedy:
-                noise[i].exponential_(generator=self._row_generator(r))
+            seed = r.params.seed
+            if seed is not None and not r.params.greedy:
+                noise[i].exponential_(generator=self._row_generator(r, seed))
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy, greedy_tokens, sampled)
 
-    def _row_generator(self, r: Request) -> torch.Generator:
+    def _row_generator(self, r: Request, seed: int) -> torch.Generator:
         gen = self.row_generators.get(r.request_id)
         if gen is None:
             gen = torch.Generator(device=self.generator.device)
-            gen.manual_seed(r.params.seed + r.index)
+            gen.manual_seed(seed + r.index)
             self.row_generators[r.request_id] = gen
         return gen
 
     @staticmethod
     def _gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int],
-                         params) -> list[Logprobs | None]:
+                         params: list[SamplingParams]) -> list[Logprobs | None]:
         chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
         k = max(p.logprobs or 0 for p in params)
-        top_vals, top_ids = (raw.topk(k, dim=-1) if k else (None, None))
-        top_vals = top_vals.tolist() if k else None
-        top_ids = top_ids.tolist() if k else None
+        top_vals: list[list[float]] = []
+        top_ids: list[list[int]] = []
+        if k:
+            vals, ids = raw.topk(k, dim=-1)
+            top_vals, top_ids = vals.tolist(), ids.tolist()
         out: list[Logprobs | None] = []
         for i, p in enumerate(params):
             if p.logprobs is None:
@@ -128,7 +132,7 @@ class Sampler:
         return out
 
 
-def _top_k_top_p(logits: torch.Tensor, params) -> torch.Tensor:
+def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     vocab = logits.shape[-1]
     dev = logits.device
     top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params],

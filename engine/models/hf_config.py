@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from engine.layers.rotary import SUPPORTED_ROPE_TYPES
 
@@ -28,7 +29,7 @@ class HFConfig:
     vocab_size: int
     rms_norm_eps: float
     rope_theta: float
-    rope: dict
+    rope: dict[str, Any]
     max_position: int
     tie_word_embeddings: bool
     qkv_bias: bool
@@ -51,7 +52,7 @@ class HFConfig:
         return cls.from_dict(raw, str(path))
 
     @classmethod
-    def from_dict(cls, raw: dict, where: str = "config.json") -> HFConfig:
+    def from_dict(cls, raw: dict[str, Any], where: str = "config.json") -> HFConfig:
         from engine.models.registry import check_architecture
 
         check_no_remote_code(raw, where)
@@ -106,7 +107,7 @@ _OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
 _OPTIONAL_NUMBERS = ("rms_norm_eps", "rope_theta")
 
 
-def _check_fields(raw: dict, where: str) -> None:
+def _check_fields(raw: dict[str, Any], where: str) -> None:
     """Types and ranges of the fields the model is built from; ``ValueError`` naming them."""
     missing = [k for k in _REQUIRED_INTS if not _is_int(raw.get(k))]
     if missing:
@@ -127,7 +128,7 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_no_remote_code(raw: dict, where: str) -> None:
+def check_no_remote_code(raw: dict[str, Any], where: str) -> None:
     """Refuse an ``auto_map``: it names Python code shipped with the checkpoint, and that code
     is never run here (there is no ``trust_remote_code``)."""
     auto_map = raw.get("auto_map")
@@ -141,7 +142,7 @@ def check_no_remote_code(raw: dict, where: str) -> None:
                      "file.")
 
 
-def check_no_quantization(raw: dict, where: str) -> None:
+def check_no_quantization(raw: dict[str, Any], where: str) -> None:
     """Refuse a quantized checkpoint: its weights would load without their scales (wrong
     numbers, no error) since no quantization method is implemented yet."""
     quant = raw.get("quantization_config")

@@ -19,6 +19,7 @@ from engine.layers.linear import (
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.hf_config import HFConfig
+from engine.models.registry import CausalLM
 
 
 class LlamaAttention(nn.Module):
@@ -39,7 +40,8 @@ class LlamaAttention(nn.Module):
         # Views into the qkv product, rows strided: the kernels take row strides.
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        out: torch.Tensor = self.o_proj(self.attn(q, k, v))
+        return out
 
 
 class LlamaMLP(nn.Module):
@@ -51,7 +53,8 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        out: torch.Tensor = self.down_proj(self.act(self.gate_up_proj(x)))
+        return out
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -62,7 +65,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, positions, x, residual):
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = x.clone()
             x = self.input_layernorm(x)
@@ -81,14 +85,15 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
+        x: torch.Tensor = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
         x, _ = self.norm(x, residual)
         return x
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     # checkpoint name part -> (our packed module, shard id)
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
@@ -99,8 +104,7 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(self, cfg: HFConfig):
-        super().__init__()
-        self.cfg = cfg
+        super().__init__(cfg)
         self.model = LlamaModel(cfg)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
@@ -114,7 +118,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head.pack_weights(tied=self.cfg.tie_word_embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+        hidden: torch.Tensor = self.model(input_ids, positions)
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return self.lm_head(hidden)
+        logits: torch.Tensor | None = self.lm_head(hidden)
+        return logits

@@ -1,14 +1,52 @@
-"""Maps ``architectures`` in config.json to model classes."""
+"""Maps ``architectures`` in config.json to model classes, and states what a model class is."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
 from torch import nn
+
+from engine.loader import ShardId
+
+if TYPE_CHECKING:
+    from engine.models.hf_config import HFConfig
 
 _MODELS = {
     "LlamaForCausalLM": "engine.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "engine.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "engine.models.llama:LlamaForCausalLM",
 }
+
+
+class CausalLM(nn.Module):
+    """What the model runner relies on in a model class, built as ``cls(hf_config)``.
+
+    ``forward(input_ids [T], positions [T]) -> hidden [T, H]`` reads the step's attention
+    metadata from ``engine.context``; ``compute_logits(hidden [N, H])`` returns the logits
+    [N, vocab] on tensor-parallel rank 0 and None on the other ranks; ``pack_weights()`` runs
+    once, after ``engine.loader.load_weights``, which reads ``packed_modules_mapping``
+    (checkpoint name part -> (fused module, shard id)).
+    """
+
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, ShardId]]] = {}
+
+    if TYPE_CHECKING:  # nn.Module.__call__ runs forward (and its hooks); typed like forward
+
+        def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
+
+    def __init__(self, cfg: HFConfig):
+        super().__init__()
+        self.cfg = cfg
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def pack_weights(self) -> None:
+        raise NotImplementedError
 
 
 def supported_architectures() -> list[str]:
@@ -20,13 +58,14 @@ def check_architecture(archs: object, where: str = "config.json") -> str:
         raise ValueError(f"{where}: 'architectures' is missing; supported: "
                          f"{', '.join(supported_architectures())}")
     for arch in archs:
-        if arch in _MODELS:
+        if isinstance(arch, str) and arch in _MODELS:
             return arch
     raise ValueError(f"{where}: architecture {', '.join(map(str, archs))} is not supported; "
                      f"supported: {', '.join(supported_architectures())}")
 
 
-def model_class(arch: str) -> type[nn.Module]:
+def model_class(arch: str) -> type[CausalLM]:
     module_name, cls_name = _MODELS[arch].split(":")
     module = __import__(module_name, fromlist=[cls_name])
-    return getattr(module, cls_name)
+    cls: type[CausalLM] = getattr(module, cls_name)
+    return cls
