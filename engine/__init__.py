@@ -3,9 +3,16 @@
 Plain Python and torch; nothing here imports Ray.
 """
 
+from typing import TYPE_CHECKING
+
 from engine.config import EngineConfig
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
+    from engine.llm import LLM
+    from engine.llm_engine import LLMEngine
 
 __all__ = [
     "AsyncEngine",
@@ -18,7 +25,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):  # lazy: keep `import engine` light for the serving layer
+def __getattr__(name: str) -> type:  # lazy: keep `import engine` light for the serving layer
     if name == "LLM":
         from engine.llm import LLM
 

@@ -15,21 +15,29 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any, Literal
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, PromptType
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.stats import EngineStats
+from engine.stats import AsyncEngineStats
 
 _RATE_WINDOW_S = 10.0
 _MAX_STEP_RECORDS = 4096  # per-step records kept until pop_step_records() drains them
 
 
+# What a stream receives: outputs, or the exception that ends it.
+_Item = RequestOutput | BaseException
+# The loop thread's inbox: ("add", request_id, prompt, params, arrival) or ("abort", request_id).
+_Message = (tuple[Literal["add"], str, PromptType, SamplingParams, float]
+            | tuple[Literal["abort"], str])
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    queue: asyncio.Queue[_Item]
 
 
 class EngineDeadError(RuntimeError):
@@ -37,7 +45,8 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig | None = None, progress: bool = False, **kwargs):
+    def __init__(self, config: EngineConfig | None = None, progress: bool = False,
+                 **kwargs: Any):
         self.engine = LLMEngine(config, progress=progress, **kwargs)
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
@@ -45,7 +54,7 @@ class AsyncEngine:
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.vocab_size
         self.dtype = self.engine.dtype  # the activations' dtype in use (dtype="auto" resolved)
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Message] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._stopping = False
@@ -57,7 +66,7 @@ class AsyncEngine:
         self._thread.start()
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> AsyncEngine:
+    def from_kwargs(cls, **kwargs: Any) -> AsyncEngine:
         return cls(EngineConfig.from_kwargs(**kwargs))
 
     @property
@@ -97,12 +106,10 @@ class AsyncEngine:
         ends with an output whose unfinished sequences have finish reason "abort"."""
         self._send(("abort", request_id))
 
-    def get_stats(self) -> EngineStats:
-        stats = dict(self._stats)
+    def get_stats(self) -> AsyncEngineStats:
         now = time.monotonic()
         window = [n for t, n in list(self._rate) if now - t <= _RATE_WINDOW_S]
-        stats["output_tokens_per_s"] = sum(window) / _RATE_WINDOW_S
-        return stats
+        return AsyncEngineStats(**self._stats, output_tokens_per_s=sum(window) / _RATE_WINDOW_S)
 
     def check_health(self) -> None:
         """Raise when no request can be served: the loop has stopped, or a tensor-parallel rank
@@ -126,7 +133,7 @@ class AsyncEngine:
             self.engine.shutdown(send_exit=False)
 
     # ----------------------------------------------------------------- the loop thread
-    def _send(self, msg: tuple) -> None:
+    def _send(self, msg: _Message) -> None:
         self._inbox.put(msg)
         self._wakeup.set()
 
@@ -188,10 +195,10 @@ class AsyncEngine:
         self._stats = self.engine.get_stats()
         self._deliver_step(outputs)
 
-    def _deliver_step(self, outputs) -> None:
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
         """A step's outputs: one thread-safe callback per event loop, not one per request (each
         costs a wake-up of the loop), putting them on their streams in order."""
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[_Item], _Item]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
@@ -199,7 +206,7 @@ class AsyncEngine:
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
 
-    def _deliver(self, request_id: str, item) -> None:
+    def _deliver(self, request_id: str, item: _Item) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
@@ -209,6 +216,6 @@ class AsyncEngine:
             self._deliver(rid, err)
 
 
-def _put_all(items: list) -> None:
+def _put_all(items: list[tuple[asyncio.Queue[_Item], _Item]]) -> None:
     for q, item in items:
         q.put_nowait(item)

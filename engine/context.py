@@ -3,6 +3,7 @@ positions)`` stays simple and every attention layer reads the same batch descrip
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -29,7 +30,7 @@ def get_context() -> AttentionMetadata:
 
 
 @contextmanager
-def set_context(meta: AttentionMetadata):
+def set_context(meta: AttentionMetadata) -> Iterator[AttentionMetadata]:
     global _CONTEXT
     _CONTEXT = meta
     try:

@@ -12,8 +12,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.envs import cache_dir
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 DEFAULT_MODEL_NAME = "pagedserve-default"
 _VERSION = "v1"
@@ -50,7 +54,7 @@ def default_model_path() -> Path:
     return path
 
 
-def _train_tokenizer():
+def _train_tokenizer() -> PreTrainedTokenizerFast:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -65,7 +69,8 @@ def _train_tokenizer():
     bos = tok.token_to_id("<|bos|>")
     tok.post_processor = processors.TemplateProcessing(
         single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B", special_tokens=[("<|bos|>", bos)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>",
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # unannotated __init__
+        tokenizer_object=tok, bos_token="<|bos|>",
                                    eos_token="<|eos|>", pad_token="<|pad|>",
                                    additional_special_tokens=["<|im_start|>", "<|im_end|>"],
                                    chat_template=CHAT_TEMPLATE)
@@ -83,7 +88,7 @@ def build_default_model(path: str | Path) -> Path:
     try:
         tokenizer = _train_tokenizer()
         vocab = -(-len(tokenizer) // 64) * 64
-        eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|eos|>", "<|im_end|>")]
+        eos = tokenizer.convert_tokens_to_ids(["<|eos|>", "<|im_end|>"])
         config = LlamaConfig(
             vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
@@ -91,10 +96,13 @@ def build_default_model(path: str | Path) -> Path:
             bos_token_id=tokenizer.bos_token_id, eos_token_id=eos,
             pad_token_id=tokenizer.pad_token_id)
         torch.manual_seed(0)
-        model = LlamaForCausalLM(config).to(torch.float32)
+        # transformers' decorator on PreTrainedModel.to hides its signature from mypy
+        model = LlamaForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos).save_pretrained(tmp)
+        gen = GenerationConfig(  # type: ignore[no-untyped-call]  # unannotated __init__
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=eos)
+        gen.save_pretrained(tmp)
         try:
             os.replace(tmp, path)
         except OSError:  # another process built it first

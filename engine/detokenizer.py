@@ -9,12 +9,16 @@ the text stops just before it (or just after it with ``include_stop_str_in_outpu
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _PROMPT_CONTEXT = 4  # prompt tokens decoded with the first outputs, for leading-space rules
 
 
 class TextStream:
-    def __init__(self, tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str] = (),
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: Sequence[int], stop: Sequence[str] = (),
                  include_stop_str_in_output: bool = False, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT:])
@@ -29,7 +33,8 @@ class TextStream:
         self.stopped: str | None = None
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+        # one sequence of ids decodes to one str (a batch would give a list)
+        return cast(str, self.tokenizer.decode(ids, skip_special_tokens=self.skip_special))
 
     def _decode_new(self, token_id: int) -> str:
         self.ids.append(token_id)

@@ -10,6 +10,7 @@ shared) are evicted before its first ones. A freed block keeps its hash until it
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.request import Request
@@ -93,7 +94,7 @@ class KVCacheManager:
                 self.cached[h] = block.block_id
 
     # ----------------------------------------------------------------- allocation
-    def allocate_slots(self, req: Request, num_tokens: int, computed: list[int] = ()) -> bool:
+    def allocate_slots(self, req: Request, num_tokens: int, computed: Sequence[int] = ()) -> bool:
         """Make ``req`` own blocks for its first ``num_tokens`` tokens, prepending the prefix-cache
         hits ``computed`` (only for a request that holds no blocks yet). False, changing nothing,
         when the free list is too short."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 from tqdm.auto import tqdm
 
@@ -12,6 +13,9 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, PromptType
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class LLM:
@@ -22,7 +26,7 @@ class LLM:
     script that builds it needs the ``if __name__ == "__main__":`` guard; ``shutdown()`` (or
     dropping the object, or the interpreter exiting) stops them."""
 
-    def __init__(self, model: str | None = None, **kwargs):
+    def __init__(self, model: str | None = None, **kwargs: Any):
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
         self.engine = LLMEngine(self.config)
         self._counter = 0
@@ -31,7 +35,7 @@ class LLM:
         """Stop the tensor-parallel rank processes, if any; no generation afterwards."""
         self.engine.shutdown()
 
-    def get_tokenizer(self):
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
@@ -39,10 +43,7 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order. Bad input raises
         ``ValueError`` before anything runs."""
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         params = sampling_params if sampling_params is not None else SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
@@ -85,6 +86,16 @@ class LLM:
             bar.close()
         return [done[rid] for rid in ids]
 
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> Sequence[PromptType]:
+    """One prompt (text, a dict, or token ids: a sequence whose first item is an int) as a
+    list of one; a sequence of prompts as it is."""
+    if isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+    ):
+        return [cast("PromptType", prompts)]
+    return cast("Sequence[PromptType]", prompts)
 
 def _final(params: SamplingParams) -> SamplingParams:
     if params.output_kind == "final":

@@ -167,8 +167,13 @@ class LLMEngine:
             return None
         for seq in group.seqs:
             self.scheduler.abort(seq)
-            self.runner.sampler.forget(seq.request_id)
+            self._forget_generator(seq.request_id)
         return self.outputs.make_output(group)
+
+    def _forget_generator(self, request_id: str) -> None:
+        """Drop the sequence's seeded generator (the sampler is rank 0's: this process's)."""
+        if self.runner.sampler is not None:
+            self.runner.sampler.forget(request_id)
 
     def _fail(self, request_id: str, err: Exception) -> None:
         self.abort(request_id)
@@ -219,7 +224,7 @@ class LLMEngine:
         finished = self.outputs.detokenize(req, token, req.check_stop(self.max_model_len))
         if finished:
             self.scheduler.free_finished(req)
-            self.runner.sampler.forget(req.request_id)
+            self._forget_generator(req.request_id)
 
     # ----------------------------------------------------------------- introspection
     @property
@@ -243,7 +248,7 @@ class LLMEngine:
         }
 
 
-def _shutdown_at_exit(ref: weakref.ref) -> None:
+def _shutdown_at_exit(ref: weakref.ref[LLMEngine]) -> None:
     engine = ref()
     if engine is not None:
         engine.shutdown()

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from engine.detokenizer import TextStream
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request, group_metrics
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -35,7 +38,7 @@ class RequestGroup:
 class OutputProcessor:
     """The engine's requests by id, and what each has to report."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
         self.groups: dict[str, RequestGroup] = {}
 

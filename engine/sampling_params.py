@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 OutputKind = Literal["cumulative", "delta", "final"]
 
@@ -118,11 +118,12 @@ def _short(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _as_list(name: str, value: object) -> list:
+def _as_list(name: str, value: object) -> list[Any]:
     if value is None:
         return []
-    _check(isinstance(value, (list, tuple)), name, "must be a list", value)
-    return list(value)  # type: ignore[arg-type]
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a list, got {_short(value)}")
+    return list(value)
 
 
 def _is_int(value: object) -> bool:

@@ -1,4 +1,5 @@
-"""``EngineStats``: what ``LLMEngine.get_stats`` (and ``AsyncEngine.get_stats``) report."""
+"""What ``LLMEngine.get_stats`` (``EngineStats``) and ``AsyncEngine.get_stats``
+(``AsyncEngineStats``) report."""
 
 from __future__ import annotations
 
@@ -17,3 +18,7 @@ class EngineStats(TypedDict):
     prompt_tokens_total: int
     generation_tokens_total: int
     num_batched_tokens_total: int  # tokens computed: prefill chunks + decode
+
+
+class AsyncEngineStats(EngineStats):
+    output_tokens_per_s: float  # over the last 10 s of the AsyncEngine's step loop

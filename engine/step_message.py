@@ -44,8 +44,8 @@ def unpack(header: torch.Tensor, body: torch.Tensor, device: torch.device,
            ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
     """Every rank: input ids, positions, attention metadata and sampled rows of a message."""
     _, t, b, max_blocks, s, max_query_len, max_seq_len = header.tolist()
-    ids, positions, slots, tables, seq_lens, q_starts, sample_idx = body.to(device).split(
-        [t, t, t, b * max_blocks, b, b + 1, s])
+    ids, positions, slots, tables, seq_lens, q_starts, sample_idx = torch.split(
+        body.to(device), [t, t, t, b * max_blocks, b, b + 1, s])
     meta = AttentionMetadata(slot_mapping=slots, block_tables=tables.view(b, max_blocks).int(),
                              seq_lens=seq_lens.int(), query_start_loc=q_starts.int(),
                              max_query_len=max_query_len, max_seq_len=max_seq_len)

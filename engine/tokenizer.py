@@ -6,16 +6,19 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.models.hf_config import HFConfig, check_no_remote_code
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 PromptType = str | Sequence[int] | dict[str, Any]
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
-def load_tokenizer(model_path: str):
+def load_tokenizer(model_path: str) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     folder = Path(model_path)
@@ -42,7 +45,7 @@ def load_tokenizer(model_path: str):
             from None
 
 
-def check_vocab(model_path: str, hf: HFConfig, tokenizer) -> None:
+def check_vocab(model_path: str, hf: HFConfig, tokenizer: PreTrainedTokenizerBase) -> None:
     """Every id the tokenizer can produce must have an embedding row: a text prompt that
     tokenized to a larger id would fail the engine step it is in, with every request in it."""
     if len(tokenizer) > hf.vocab_size:
@@ -50,7 +53,7 @@ def check_vocab(model_path: str, hf: HFConfig, tokenizer) -> None:
                          f"config.json's vocab_size is {hf.vocab_size}")
 
 
-def eos_token_ids(model_path: str, hf: HFConfig, tokenizer) -> set[int]:
+def eos_token_ids(model_path: str, hf: HFConfig, tokenizer: PreTrainedTokenizerBase) -> set[int]:
     """EOS ids from generation_config.json, config.json and the tokenizer, together."""
     ids = set(hf.eos_token_ids)
     gen = Path(model_path) / "generation_config.json"
@@ -63,7 +66,7 @@ def eos_token_ids(model_path: str, hf: HFConfig, tokenizer) -> set[int]:
     return ids
 
 
-def encode_prompt(tokenizer: Any, prompt: PromptType, vocab_size: int, max_model_len: int,
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: PromptType, vocab_size: int, max_model_len: int,
                   ) -> tuple[str | None, list[int]]:
     """A prompt (text, token ids, or a dict with 'prompt' or 'prompt_token_ids') as its text
     (None for ids) and token ids, checked: ``ValueError`` naming the problem."""

@@ -22,7 +22,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -97,12 +97,13 @@ class RankLauncher(Protocol):
 class RankGroup:
     """Rank 0's handle on the group: the store, the launcher, and how to stop them."""
 
-    def __init__(self, launcher: RankLauncher, store) -> None:
-        self.launcher, self.store = launcher, store
+    def __init__(self, launcher: RankLauncher, store: torch.distributed.TCPStore) -> None:
+        self.launcher = launcher
+        self.store: torch.distributed.TCPStore | None = store  # None once stopped
 
     @classmethod
     def start(cls, launcher: RankLauncher, world_size: int, device: torch.device,
-              **spec_fields) -> RankGroup:
+              **spec_fields: Any) -> RankGroup:
         """Start ranks 1..``world_size``-1 and join the group as rank 0."""
         devices = [launcher.rank_device(r, world_size, device) for r in range(1, world_size)]
         store = master_store("127.0.0.1", world_size)  # ranks share a node (STRICT_PACK)
@@ -110,17 +111,17 @@ class RankGroup:
         try:
             launcher.launch([RankSpec(r, world_size, "127.0.0.1", store.port, device=d,
                                       **spec_fields) for r, d in enumerate(devices, start=1)])
-            group._wait_connected(world_size)
+            group._wait_connected(store, world_size)
             init_tp_group(store, 0, world_size, device)
         except BaseException:
             group.stop(timeout_s=0)
             raise
         return group
 
-    def _wait_connected(self, world_size: int) -> None:
+    def _wait_connected(self, store: torch.distributed.TCPStore, world_size: int) -> None:
         keys = [f"rank{r}" for r in range(1, world_size)]
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not self.store.check(keys):
+        while not store.check(keys):
             self.launcher.check()
             if time.monotonic() > deadline:
                 raise RuntimeError(f"tensor-parallel ranks did not start within "
@@ -224,6 +225,9 @@ def _process_main(spec: RankSpec) -> None:
 
 def _exit_with_parent() -> None:
     """Rank 0's process died without stopping us (SIGKILL, SIGTERM): exit too."""
-    multiprocessing.connection.wait([multiprocessing.parent_process().sentinel])
+    parent = multiprocessing.parent_process()
+    if parent is None:  # not a multiprocessing child: no parent to watch
+        return
+    multiprocessing.connection.wait([parent.sentinel])
     os._exit(1)
 
