@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.fields import FieldInfo
 
 from engine import envs
 
@@ -147,7 +148,7 @@ class EngineConfig(_Strict):
         sections: dict[str, dict[str, Any]] = {name: {} for name in cls.model_fields}
         for key, value in kwargs.items():
             for name, field in cls.model_fields.items():
-                if key in field.annotation.model_fields:  # type: ignore[union-attr]
+                if key in _section_fields(field.annotation):
                     sections[name][key] = value
                     break
             else:
@@ -185,4 +186,11 @@ def resolve_max_model_len(requested: int | None, hf: HFConfig) -> int:
     return requested
 
 
-_FLAT = {k for f in EngineConfig.model_fields.values() for k in f.annotation.model_fields}  # type: ignore[union-attr]
+def _section_fields(section: object) -> dict[str, FieldInfo]:
+    """The fields of one of EngineConfig's sections (each a pydantic model)."""
+    if isinstance(section, type) and issubclass(section, BaseModel):
+        return section.model_fields
+    return {}
+
+
+_FLAT = {k for f in EngineConfig.model_fields.values() for k in _section_fields(f.annotation)}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn, TypeGuard
 
 OutputKind = Literal["cumulative", "delta", "final"]
 
@@ -110,7 +110,11 @@ class SamplingParams:
 
 def _check(ok: bool, name: str, rule: str, value: object) -> None:
     if not ok:
-        raise ValueError(f"{name} {rule}, got {_short(value)}")
+        _fail(name, rule, value)
+
+
+def _fail(name: str, rule: str, value: object) -> NoReturn:
+    raise ValueError(f"{name} {rule}, got {_short(value)}")
 
 
 def _short(value: object) -> str:
@@ -126,21 +130,23 @@ def _as_list(name: str, value: object) -> list[Any]:
     return list(value)
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _int_field(name: str, value: object, low: int, high: int, optional: bool = False) -> None:
     if value is None and optional:
         return
-    _check(_is_int(value), name, "must be an integer", value)
-    _check(low <= value <= high, name, f"must be in [{low}, {high}]", value)  # type: ignore[operator]
+    if not _is_int(value):
+        _fail(name, "must be an integer", value)
+    _check(low <= value <= high, name, f"must be in [{low}, {high}]", value)
 
 
 def _float_field(name: str, value: object, low: float, high: float,
                  low_open: bool = False) -> None:
-    _check((isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value)), name, "must be a finite number", value)
-    above = value > low if low_open else value >= low  # type: ignore[operator]
-    _check(above and value <= high, name,  # type: ignore[operator]
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value)):
+        _fail(name, "must be a finite number", value)
+    above = value > low if low_open else value >= low
+    _check(above and value <= high, name,
            f"must be in {'(' if low_open else '['}{low:g}, {high:g}]", value)

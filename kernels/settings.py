@@ -12,7 +12,6 @@ the tools' own (``CC``, ``TRITON_INTERPRET``).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,14 +37,11 @@ def configure(cpu_kernels: bool | None = None, packed_gemm: bool | None = None,
     """Change the given switches (``clear_cap``: no ISA cap; a cap is one of
     ``cpu_isa.CLASSES``, checked by whoever reads it from a user); returns the new settings."""
     global _current
-    changes: dict[str, object] = {}
-    if cpu_kernels is not None:
-        changes["cpu_kernels"] = cpu_kernels
-    if packed_gemm is not None:
-        changes["packed_gemm"] = packed_gemm
-    if build_dir is not None:
-        changes["build_dir"] = Path(build_dir)
-    if isa_cap is not None or clear_cap:
-        changes["isa_cap"] = isa_cap
-    _current = dataclasses.replace(_current, **changes)  # type: ignore[arg-type]
+    old = _current
+    _current = KernelSettings(
+        cpu_kernels=old.cpu_kernels if cpu_kernels is None else cpu_kernels,
+        packed_gemm=old.packed_gemm if packed_gemm is None else packed_gemm,
+        build_dir=old.build_dir if build_dir is None else Path(build_dir),
+        isa_cap=isa_cap if isa_cap is not None or clear_cap else old.isa_cap,
+    )
     return _current
