@@ -147,9 +147,9 @@ class WorkerMetrics:
         self._task: asyncio.Task[None] | None = None
 
     @classmethod
-    def for_replica(cls, engine: EngineStatsSource, cfg: Any) -> WorkerMetrics:
-        """Metrics of this Serve replica's engine, flushed from its event loop."""
-        metrics = cls(engine, served_model_name(cfg), _replica_id())
+    def for_replica(cls, engine: EngineStatsSource, cfg: Any, replica: str) -> WorkerMetrics:
+        """Metrics of Worker replica ``replica``'s engine, flushed from its event loop."""
+        metrics = cls(engine, served_model_name(cfg), replica)
         metrics.start()
         return metrics
 

@@ -21,7 +21,13 @@ from serve_app.wire import ModelInfo
 
 
 class PromptProcessor:
-    """Built from a Worker's ``model_info()``: its tokenizer, model name and ``max_model_len``."""
+    """Built from a Worker's ``model_info()``: its tokenizer, model name, ``max_model_len`` and
+    ``vocab_size``.
+
+    Token ids are checked against the model's ``vocab_size`` (config.json's, the bound the
+    engine checks), not the tokenizer's length, which may be smaller: an id this accepts is one
+    the engine accepts.
+    """
 
     def __init__(self, info: ModelInfo, model_name: str, prefix_chunk_tokens: int,
                  max_n: int = 16, max_tokens_limit: int | None = None,
@@ -31,7 +37,7 @@ class PromptProcessor:
         self.model_name = model_name
         self.max_model_len: int = info["max_model_len"]
         self.dtype: str | None = info.get("dtype")  # the Workers' activations dtype
-        self.vocab_size = len(self.tokenizer)
+        self.vocab_size: int = info["vocab_size"]
         self._chunk = prefix_chunk_tokens
         self.max_n = max_n
         self.max_tokens_limit = max_tokens_limit

@@ -91,8 +91,9 @@ class Router:
             try:
                 info = await asyncio.wait_for(self.workers.model_info(), timeout=10.0)
                 self.prompts = PromptProcessor.for_app(info, self.cfg)
-                logger.info("serving %s (dtype %s, max_model_len %d)", self.prompts.model_name,
-                            info["dtype"], info["max_model_len"])
+                logger.info("serving %s (dtype %s, max_model_len %d, vocab_size %d)",
+                            self.prompts.model_name, info["dtype"], info["max_model_len"],
+                            info["vocab_size"])
                 return
             except Exception as exc:  # no Worker yet, or it is still loading its model
                 logger.info("waiting for a Worker to report its model: %r", exc)

@@ -57,7 +57,7 @@ class Usage:
 @dataclass
 class ResponseStream:
     requests: list[EngineRequest]
-    tokenizer: object
+    tokenizer: Any  # the model's Hugging Face tokenizer
     stop: list[str]
     include_stop_str_in_output: bool
     skip_special_tokens: bool

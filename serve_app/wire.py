@@ -112,6 +112,8 @@ class ModelInfo(TypedDict):
     replica: str
     model_name: str
     max_model_len: int
+    vocab_size: int  # token ids the engine accepts: [0, vocab_size) (config.json's, not the
+    #                  tokenizer's length, which may be smaller)
     dtype: str  # the activations' dtype in use, e.g. "float32"
     tokenizer: Any  # the model's Hugging Face tokenizer
 

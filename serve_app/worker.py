@@ -11,6 +11,8 @@ travel in the open stream's per-step messages. A Router with many small batches 
 per arriving request, under steady load) then gets one message per engine step, not one per
 batch. A stream ends when its last request does. Cancelling a stream's call aborts every
 request it carries.
+
+The engine is ``build_engine``'s ``AsyncEngine`` unless ``engine_factory`` gives another one.
 """
 
 from __future__ import annotations
@@ -20,17 +22,40 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Mapping
-from typing import Any, cast
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, Protocol, cast
 
 from ray import serve
 
+from engine.config import EngineConfig
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 from serve_app import wire
 from serve_app.config import AppConfig
-from serve_app.metrics import WorkerMetrics
+from serve_app.metrics import EngineStatsSource, WorkerMetrics
 
 logger = logging.getLogger("ray.serve")
+
+
+class ServingEngine(EngineStatsSource, Protocol):
+    """What a Worker uses of its engine (``engine.AsyncEngine`` is one)."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int  # token ids it accepts: [0, vocab_size)
+    dtype: Any  # the activations' torch dtype
+    tokenizer: Any
+    config: EngineConfig
+
+    @property
+    def is_running(self) -> bool: ...
+    # one request's outputs (deltas); closing the stream early aborts the request
+    def generate(self, request_id: str, prompt: list[int],
+                 params: SamplingParams) -> AsyncIterator[RequestOutput]: ...
+    def abort(self, request_id: str) -> None: ...
+    def check_health(self) -> None: ...  # raises when no request can be served
+    def shutdown(self) -> None: ...
 
 
 class _Stream:
@@ -46,20 +71,14 @@ class _Stream:
 class Worker:
     """Owns an engine; batches in, per-step token messages out."""
 
-    def __init__(self, config: AppConfig) -> None:
-        import torch
-
-        from engine import AsyncEngine
-
-        if not config.use_gpu():
-            torch.set_num_threads(config.worker_threads())
-        engine_cfg = config.engine
-        if engine_cfg.device.num_threads is None and not config.use_gpu():
-            engine_cfg = engine_cfg.model_copy(deep=True)
-            engine_cfg.device.num_threads = config.worker_threads()
-        self.engine = AsyncEngine(engine_cfg, rank_launcher=_rank_launcher(config))
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.metrics = WorkerMetrics.for_replica(self.engine, config)
+    def __init__(self, config: AppConfig,
+                 engine_factory: Callable[[AppConfig], ServingEngine] | None = None,
+                 replica_id: str | None = None) -> None:
+        """``engine_factory`` (default ``build_engine``) is called once, here; ``replica_id``
+        defaults to Serve's id of this replica (give it outside Serve)."""
+        self.engine = (engine_factory or build_engine)(config)
+        self.replica_id = replica_id or serve.get_replica_context().replica_id.unique_id
+        self.metrics = WorkerMetrics.for_replica(self.engine, config, self.replica_id)
         self._pumps: dict[str, asyncio.Task[None]] = {}  # request id -> task streaming it
         self._streams: dict[str, _Stream] = {}  # stream_key -> that Router's open stream
         self._received: dict[str, int] = {}  # stream_key -> requests received (routing stats)
@@ -159,6 +178,7 @@ class Worker:
             "replica": self.replica_id,
             "model_name": self.engine.model_name,
             "max_model_len": self.engine.max_model_len,
+            "vocab_size": self.engine.vocab_size,
             "dtype": str(self.engine.dtype).removeprefix("torch."),
             "tokenizer": self.engine.tokenizer,
         }
@@ -193,7 +213,7 @@ class Worker:
                 "output_tokens_per_s": _output_rate(s)}
 
     def check_health(self) -> None:
-        if not getattr(self.engine, "is_running", True):
+        if not self.engine.is_running:
             raise RuntimeError("the engine's step loop has stopped")
         self.engine.check_health()  # fails when a tensor-parallel rank actor has died
 
@@ -214,7 +234,7 @@ class Worker:
         engine.shutdown()
         return None
 
-    async def _finish_batches_then_stop(self, engine: Any) -> None:
+    async def _finish_batches_then_stop(self, engine: ServingEngine) -> None:
         deadline = time.monotonic() + self.drain_timeout_s
         while self.batches_running and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -222,6 +242,23 @@ class Worker:
             logger.warning("Worker stops with %d batches unfinished after %.0fs",
                            self.batches_running, self.drain_timeout_s)
         engine.shutdown()
+
+
+def build_engine(config: AppConfig) -> ServingEngine:
+    """The default engine: an ``AsyncEngine`` of the config's engine settings; on a CPU, torch
+    and the engine get ``worker_threads()`` threads (unless ``num_threads`` is set); tensor-
+    parallel ranks 1..N-1 run as Ray actors in this replica's placement group."""
+    import torch
+
+    from engine.async_engine import AsyncEngine
+
+    if not config.use_gpu():
+        torch.set_num_threads(config.worker_threads())
+    engine_cfg = config.engine
+    if engine_cfg.device.num_threads is None and not config.use_gpu():
+        engine_cfg = engine_cfg.model_copy(deep=True)
+        engine_cfg.device.num_threads = config.worker_threads()
+    return AsyncEngine(engine_cfg, rank_launcher=_rank_launcher(config))
 
 
 def _rank_launcher(config: AppConfig) -> Any:

@@ -63,7 +63,8 @@ def engine(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def processor(engine):
-    info = {"tokenizer": engine.tokenizer, "max_model_len": MAX_MODEL_LEN}
+    info = {"tokenizer": engine.tokenizer, "max_model_len": MAX_MODEL_LEN,
+            "vocab_size": engine.vocab_size}
     return PromptProcessor(info, "served-name", 16, max_n=4, max_prompts=64)
 
 

@@ -30,7 +30,7 @@ class _Tokenizer:
 
 
 def _processor(**kw) -> PromptProcessor:
-    info = {"tokenizer": _Tokenizer(), "max_model_len": 64}
+    info = {"tokenizer": _Tokenizer(), "max_model_len": 64, "vocab_size": 100}
     return PromptProcessor(info, "m", 16, **kw)
 
 
