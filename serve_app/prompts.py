@@ -1,7 +1,7 @@
 """Prompt preparation in the Router: model name, chat template, tokenization, length limits.
 
 Tokenizing and templating are CPU work proportional to the prompt: the Router runs them in a
-thread (``Router._prepare``), never on its event loop, so one 4 MiB prompt does not stall the
+thread (``Router._off_loop``), never on its event loop, so one 4 MiB prompt does not stall the
 streams the Router carries. Encoding goes through the fast tokenizer's Rust ``encode_batch``,
 which lets other threads run while it works, and a prompt longer than the model's context is
 refused from its token count alone, before its ids become a Python list (for a 4 MiB prompt

@@ -184,6 +184,7 @@ class Worker:
         }
 
     async def get_stats(self, target_replica: str | None = None) -> wire.WorkerStats:
+        """The engine's stats and this replica's counters (the Router's ``/v1/stats``)."""
         s: EngineStats = self.engine.get_stats()
         return {**s, "output_tokens_per_s": _output_rate(s), "replica": self.replica_id,
                 "requests_total": self.requests_total, "aborted_total": self.aborted_total,
