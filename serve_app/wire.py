@@ -28,7 +28,7 @@ from typing import Any, NamedTuple, TypedDict
 
 from engine.outputs import Logprobs
 from engine.sampling_params import SamplingParams
-from engine.stats import EngineStats
+from engine.stats import AsyncEngineStats
 
 # ---- generate_batch ----------------------------------------------------------------------------
 
@@ -118,10 +118,9 @@ class ModelInfo(TypedDict):
     tokenizer: Any  # the model's Hugging Face tokenizer
 
 
-class WorkerStats(EngineStats):
+class WorkerStats(AsyncEngineStats):
     """``Worker.get_stats``: the engine's stats and the replica's own counters."""
 
-    output_tokens_per_s: float  # over the engine's last few seconds
     replica: str
     requests_total: int
     aborted_total: int  # requests stopped here by an abort control call

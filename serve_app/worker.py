@@ -22,15 +22,15 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any, Protocol, cast
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol
 
 from ray import serve
 
 from engine.config import EngineConfig
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.stats import EngineStats
+from engine.stats import AsyncEngineStats
 from serve_app import wire
 from serve_app.config import AppConfig
 from serve_app.metrics import EngineStatsSource, WorkerMetrics
@@ -50,6 +50,7 @@ class ServingEngine(EngineStatsSource, Protocol):
 
     @property
     def is_running(self) -> bool: ...
+    def get_stats(self) -> AsyncEngineStats: ...
     # one request's outputs (deltas); closing the stream early aborts the request
     def generate(self, request_id: str, prompt: list[int],
                  params: SamplingParams) -> AsyncIterator[RequestOutput]: ...
@@ -185,8 +186,7 @@ class Worker:
 
     async def get_stats(self, target_replica: str | None = None) -> wire.WorkerStats:
         """The engine's stats and this replica's counters (the Router's ``/v1/stats``)."""
-        s: EngineStats = self.engine.get_stats()
-        return {**s, "output_tokens_per_s": _output_rate(s), "replica": self.replica_id,
+        return {**self.engine.get_stats(), "replica": self.replica_id,
                 "requests_total": self.requests_total, "aborted_total": self.aborted_total,
                 "rss_bytes": _rss_bytes(), "batches_total": self.batches_total,
                 "batches_running": self.batches_running}
@@ -211,7 +211,7 @@ class Worker:
         return {"num_waiting": float(s["num_waiting"]), "num_running": float(s["num_running"]),
                 "kv_cache_usage": float(s["kv_cache_usage"]),
                 "seq_slot_usage": float(s["num_running"]) / slots,
-                "output_tokens_per_s": _output_rate(s)}
+                "output_tokens_per_s": s["output_tokens_per_s"]}
 
     def check_health(self) -> None:
         if not self.engine.is_running:
@@ -289,9 +289,3 @@ def _has_running_loop() -> bool:
     except RuntimeError:
         return False
     return True
-
-
-def _output_rate(stats: EngineStats) -> float:
-    """Output tokens/s: ``AsyncEngine.get_stats`` adds it to the fields ``EngineStats``
-    declares; 0 from an engine that does not."""
-    return float(cast(Mapping[str, float], stats).get("output_tokens_per_s", 0.0))
