@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("files", nargs="*", help="JSON-lines files (default: standard input)")
     p.add_argument("--plot", type=Path, help="draw the runs into this PNG")
     p.add_argument("--title", default="Each dot one run (same load); bar: median")
+    p.add_argument("--ours", default="pagedserve", help="the server whose ratios are reported")
+    p.add_argument("--peer", default="vllm", help="the server it is divided by")
     args = p.parse_args(argv)
     lines = [line for f in args.files for line in Path(f).read_text().splitlines()] \
         if args.files else sys.stdin.read().splitlines()
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("no benchmark runs in the input")
     if args.plot is not None:
         plot(by, args.plot, args.title)
-    print(json.dumps(summarize(by)))
+    print(json.dumps(summarize(by, args.ours, args.peer)))
 
 
 if __name__ == "__main__":
