@@ -21,7 +21,7 @@ WORK=$(mktemp -d "${TMPDIR:-/tmp}/serve_ab.XXXXXX")
 OUT=$WORK/runs.jsonl
 APP=
 cleanup() {
-  [ -n "$APP" ] && kill -TERM -- "-$APP" 2>/dev/null || true
+  [ -n "$APP" ] && kill -KILL -- "-$APP" 2>/dev/null || true
   git worktree remove --force "$WORK/base" 2>/dev/null || true
   [ -n "$NEW" ] && git worktree remove --force "$WORK/new" 2>/dev/null || true
   rm -rf "$WORK"
@@ -43,8 +43,8 @@ start() {  # start DIR: the app from DIR's code, in its own process group
   set +m
   up
 }
-stop() {
-  kill -TERM -- "-$APP" 2>/dev/null || true
+stop() {  # Ctrl-C, as a user stops serve run (it shuts the app and its cluster down)
+  kill -INT "$APP" 2>/dev/null || true
   for _ in $(seq 1 60); do kill -0 "$APP" 2>/dev/null || break; sleep 0.5; done
   kill -KILL -- "-$APP" 2>/dev/null || true; wait "$APP" 2>/dev/null || true; APP=
   "$(dirname "$PY")/ray" stop --force >/dev/null 2>&1 || true
