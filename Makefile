@@ -18,9 +18,9 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PY) -m pip install -q -c constraints-cpu.txt -e '.[test,bench,dev]'
 	touch $(STAMP)
 
-# mypy --strict first (config: [tool.mypy] in pyproject.toml); serve_app joins the list once it passes.
+# mypy --strict first, on all three packages (config: [tool.mypy] in pyproject.toml).
 test: test-deps setup
-	$(PY) -m mypy engine kernels
+	$(PY) -m mypy engine kernels serve_app
 	$(PY) -m pytest -q -ra tests
 
 # The programs the tests run (prometheus, a C compiler): apt-get installs them as root, else

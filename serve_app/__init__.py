@@ -18,8 +18,9 @@ def __getattr__(name: str) -> Any:  # lazy: importing serve_app builds nothing
         return build_app
     if name == "app":
         from serve_app.app import build_app
+        from serve_app.config import AppConfig
 
-        return build_app({})
+        return build_app(AppConfig())
     if name == "AppConfig":
         from serve_app.config import AppConfig
 

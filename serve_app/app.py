@@ -4,10 +4,10 @@ No ``from __future__ import annotations`` here: Serve reads ``build_app``'s para
 to validate ``serve run serve_app:build_app key=value ...`` arguments into ``AppConfig``.
 """
 
-from typing import Any
+from typing import Any, cast
 
 from ray import serve
-from ray.serve import Application
+from ray.serve import Application, Deployment
 from ray.serve.config import RequestRouterConfig
 
 from serve_app.config import AppConfig
@@ -25,10 +25,11 @@ def build_app(args: AppConfig) -> Application:
     """
     cfg = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
     prepare_cluster_env()
-    worker = serve.deployment(Worker, name="Worker").options(**worker_options(cfg))
-    router = Router.options(num_replicas=cfg.num_routers,
-                            max_ongoing_requests=cfg.router_max_ongoing_requests,
-                            ray_actor_options=actor_options(cfg, cfg.router_num_cpus))
+    worker = serve.deployment(name="Worker")(Worker).options(**worker_options(cfg))
+    # @serve.deployment made Router a Deployment; mypy gives a decorated class its own type
+    router = cast(Deployment, Router).options(
+        num_replicas=cfg.num_routers, max_ongoing_requests=cfg.router_max_ongoing_requests,
+        ray_actor_options=actor_options(cfg, cfg.router_num_cpus))
     return router.bind(worker.bind(cfg), cfg)
 
 
@@ -55,19 +56,22 @@ def worker_options(cfg: AppConfig) -> dict[str, Any]:
     """Deployment options of the Worker: resources per replica and the request router."""
     tp = cfg.engine.parallel.tensor_parallel_size
     cpus = cfg.worker_num_cpus
+    # Passed as **router: RequestRouterConfig.__init__ annotates its **kwargs as dict[str, Any]
+    # (Ray 2.60), i.e. every argument a dict; its fields are typed on the class.
+    router: dict[str, Any] = {
+        "request_router_class": WorkerRequestRouter,
+        "request_router_kwargs": {
+            "prefix_chunk_tokens": cfg.prefix_chunk_tokens,
+            "prefix_min_match_tokens": cfg.prefix_min_match_tokens,
+            "imbalance_threshold": cfg.imbalance_threshold,
+        },
+        "request_routing_stats_period_s": cfg.routing_stats_period_s,
+    }
     opts: dict[str, Any] = {
         **scaling_options(cfg),
         "max_ongoing_requests": cfg.worker_max_ongoing_requests,
         "health_check_period_s": cfg.health_check_period_s,
-        "request_router_config": RequestRouterConfig(
-            request_router_class=WorkerRequestRouter,
-            request_router_kwargs={
-                "prefix_chunk_tokens": cfg.prefix_chunk_tokens,
-                "prefix_min_match_tokens": cfg.prefix_min_match_tokens,
-                "imbalance_threshold": cfg.imbalance_threshold,
-            },
-            request_routing_stats_period_s=cfg.routing_stats_period_s,
-        ),
+        "request_router_config": RequestRouterConfig(**router),
     }
     if cfg.use_gpu():
         opts["ray_actor_options"] = actor_options(cfg, cpus, num_gpus=1)

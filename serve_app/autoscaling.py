@@ -128,7 +128,7 @@ class Load:
             ctx.aggregated_metrics or {}
         running_ids = set(ctx.running_replicas or ())
 
-        def per_replica(name: str) -> dict:
+        def per_replica(name: str) -> dict[Any, float]:
             return {rid: v for rid, v in (metrics.get(name) or {}).items() if rid in running_ids}
 
         def total(name: str) -> float:
@@ -160,7 +160,7 @@ class Load:
                 f"tokens/s={self.tokens_per_s:.0f} on {self.replicas} replicas")
 
 
-def _last_values(raw: dict | None) -> dict[str, dict[Any, float]]:
+def _last_values(raw: dict[str, dict[Any, Any]] | None) -> dict[str, dict[Any, float]]:
     """Each replica's last reported value per metric, from ``ctx.raw_metrics`` time series."""
     return {name: {rid: series[-1].value for rid, series in per_replica.items() if series}
             for name, per_replica in (raw or {}).items()}

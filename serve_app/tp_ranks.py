@@ -10,6 +10,8 @@ the actors, so they die with it; ``stop`` kills them when the engine shuts down.
 
 from __future__ import annotations
 
+from typing import Any
+
 import ray
 import torch
 from ray.util.placement_group import get_current_placement_group
@@ -21,14 +23,19 @@ from ray.util.scheduling_strategies import (
 from engine.tp_ranks import RankSpec
 
 
-@ray.remote(max_restarts=0)
 class RankActor:
     """One rank other than 0: joins the group, loads its shard, runs steps until told to exit."""
 
+    @ray.method  # no options: only types ``run.remote`` for mypy
     def run(self, spec: RankSpec) -> None:
         from engine.tp_ranks import run_rank
 
         run_rank(spec)
+
+
+# ray.remote called rather than used as a class decorator, which mypy cannot see through: this
+# is an ActorClass[RankActor] to the type checker too (Ray's "Type hints in Ray", pattern 1)
+RANK_ACTOR = ray.remote(max_restarts=0)(RankActor)
 
 
 class RayRankLauncher:
@@ -36,8 +43,8 @@ class RayRankLauncher:
 
     def __init__(self, name_prefix: str, num_cpus: float, num_gpus: float) -> None:
         self.name_prefix, self.num_cpus, self.num_gpus = name_prefix, num_cpus, num_gpus
-        self.actors: list = []
-        self.refs: list[ray.ObjectRef] = []
+        self.actors: list[Any] = []  # handles (Ray types them ActorHandle | type[RankActor])
+        self.refs: list[ray.ObjectRef[None]] = []  # each rank's run(): resolves when it ends
 
     def rank_device(self, rank: int, world_size: int, device: torch.device) -> str:
         return "cuda" if device.type == "cuda" else "cpu"  # Ray shows each actor its own GPU
@@ -50,14 +57,15 @@ class RayRankLauncher:
                              f"{world_size} bundles (one per rank); this one has "
                              f"{pg.bundle_count}")
         for spec in specs:
+            where: PlacementGroupSchedulingStrategy | NodeAffinitySchedulingStrategy
             if pg is not None:
                 where = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=spec.rank)
             else:  # no placement group: stay on this node, ranks talk over loopback
                 where = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
                                                        soft=False)
-            actor = RankActor.options(name=f"{self.name_prefix}-rank{spec.rank}",
-                                      num_cpus=self.num_cpus, num_gpus=self.num_gpus,
-                                      scheduling_strategy=where).remote()
+            actor = RANK_ACTOR.options(name=f"{self.name_prefix}-rank{spec.rank}",
+                                       num_cpus=self.num_cpus, num_gpus=self.num_gpus,
+                                       scheduling_strategy=where).remote()
             self.actors.append(actor)
             self.refs.append(actor.run.remote(spec))
 
