@@ -73,11 +73,19 @@ Part = TokenPart | DonePart | ErrorPart
 
 
 class StepMessage(NamedTuple):
-    """Everything one engine step produced for the requests of one stream."""
+    """Everything one engine step produced for the requests of one stream.
+
+    It pickles its parts as plain tuples: Serve sends every message through cloudpickle, whose
+    Python hook runs once for each object that is not a plain tuple, list or dict; a message of
+    64 ``TokenPart``s took 215 us to dump that way, against 15 us as plain tuples."""
 
     tokens: list[TokenPart]
     done: list[DonePart]
     errors: list[ErrorPart]
+
+    def __reduce__(self) -> tuple[Any, tuple[list[tuple[Any, ...]], ...]]:
+        return _step_message, (list(map(tuple, self.tokens)), list(map(tuple, self.done)),
+                               list(map(tuple, self.errors)))
 
     @classmethod
     def gather(cls, first: Part, queue: asyncio.Queue[Part]) -> StepMessage:
@@ -98,6 +106,13 @@ class StepMessage(NamedTuple):
     def num_finished(self) -> int:
         """Requests it ends."""
         return len(self.done) + len(self.errors)
+
+
+def _step_message(tokens: list[tuple[Any, ...]], done: list[tuple[Any, ...]],
+                  errors: list[tuple[Any, ...]]) -> StepMessage:
+    """A ``StepMessage`` from its pickled form (``StepMessage.__reduce__``)."""
+    return StepMessage(list(map(TokenPart._make, tokens)), list(map(DonePart._make, done)),
+                       list(map(ErrorPart._make, errors)))
 
 
 WorkerMessage = StreamAttach | StepMessage
