@@ -1,8 +1,9 @@
 """The engine's CPU kernels in C (``csrc/``): build, load, call.
 
 ``paged_attention_cpu.c`` is paged attention over the block table (no gather, no padding);
-``elementwise_cpu.c`` holds RMSNorm (+ fused residual add), SiLU-and-multiply, rotary embedding
-and the KV-cache store, each one pass over memory. AVX-512 loops where the CPU has them, plain C
+``elementwise_cpu.c`` holds RMSNorm (+ fused residual add), SiLU-and-multiply, rotary embedding,
+the KV-cache store and the int8 products' per-row activation quantization, each one pass over
+memory. AVX-512 loops where the CPU has them, plain C
 (auto-vectorised) elsewhere; float32 and bfloat16.
 
 The sources are compiled on first use with the system C compiler (``$CC``, else ``cc``) for this
@@ -54,6 +55,7 @@ _SIGNATURES = {
     "rotary_cpu": [_ptr] * 4 + [_c_i64, _c_int, _c_int, _c_int, _c_i64, _c_i64, _c_i64, _c_int,
                                 _c_int],
     "store_kv_cpu": [_ptr] * 5 + [_c_i64, _c_int, _c_int] + [_c_i64] * 4 + [_c_int],
+    "quantize_rows_u8_cpu": [_ptr] * 3 + [_c_i64, _c_i64, _c_int, _c_i64, _c_int, _c_int],
 }
 
 _lock = threading.Lock()
@@ -259,3 +261,19 @@ def store_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
         key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         slot_mapping.data_ptr(), key.shape[0], key.shape[1], key.shape[2], key.stride(0),
         key.stride(1), value.stride(0), value.stride(1), key.element_size()), "store_kv_cpu")
+
+
+def supports_quantize_rows(x: torch.Tensor) -> bool:
+    return _rows_ok(x) and available()
+
+
+def quantize_rows_u8(x: torch.Tensor, padded_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (uint8 [padded_rows, K], float32 scales [T, 1]): the contract of
+    ``quant_linear.quantize_rows``, with rows T.. of the first holding the zero point 128."""
+    t, k = x.shape
+    out = torch.empty((padded_rows, k), dtype=torch.uint8)
+    scale = torch.empty((t, 1), dtype=torch.float32)
+    _check(_library().quantize_rows_u8_cpu(
+        out.data_ptr(), scale.data_ptr(), x.data_ptr(), t, padded_rows, k, x.stride(0),
+        _DTYPES[x.dtype], _threads()), "quantize_rows_u8_cpu")
+    return out, scale

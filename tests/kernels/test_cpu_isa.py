@@ -17,6 +17,7 @@ from engine.loader import resolve_dtype
 from kernels import cpu_isa
 from kernels import cpu_kernels as cpu
 from tests.kernels import test_cpu_kernels as kernel_tests
+from tests.kernels import test_quant_linear as quant_tests
 
 ZEN3 = {"sse2", "avx", "avx2", "fma", "f16c", "bmi2"}  # an AVX2-only AMD EPYC
 SKYLAKE_SP = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
@@ -115,3 +116,5 @@ def test_c_kernels_build_for_every_class_and_match_the_references(isa, monkeypat
     kernel_tests.test_paged_attention_decode_only_and_padding_rows()
     kernel_tests.test_paged_attention_ignores_cache_outside_the_sequence()
     kernel_tests.test_store_kv_matches_reference_and_skips_minus_one()
+    for dtype in (torch.float32, torch.bfloat16):
+        quant_tests.test_c_row_quantization_has_the_reference_bits(dtype)
