@@ -42,6 +42,13 @@ class ModelConfig(_Strict):
         None, ge=1, description="Longest sequence (prompt + output) in tokens; None takes the "
         "model's max_position_embeddings."
     )
+    quantization: Literal["int8"] | None = Field(
+        None, description="Store the linear layers' weights in lower precision, quantized at "
+        "load time from the checkpoint: 'int8' keeps int8 values with one scale per output "
+        "channel (half the bytes of bfloat16; the embedding and LM head stay in dtype). On the "
+        "CPU the products run in int8 with activations quantized per token on the fly; "
+        "elsewhere the weights are converted to dtype in each product. None: dtype throughout.",
+    )
     seed: int = Field(0, description="Seed for the default model and for unseeded sampling.")
 
 

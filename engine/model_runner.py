@@ -31,7 +31,7 @@ from engine.models.hf_config import HFConfig
 from engine.models.registry import CausalLM, model_class
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
-from kernels import cpu_gemm
+from kernels import cpu_gemm, quant_linear
 
 if TYPE_CHECKING:
     from engine.cuda_graphs import DecodeGraphs
@@ -67,6 +67,8 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         load_weights(model, model_path, progress=progress)
+        if self.config.model.quantization is not None:
+            model.quantize_weights(self.config.model.quantization)
         model.pack_weights()
         self._warm_up_packed(model)
         return model.eval()
@@ -76,8 +78,13 @@ class ModelRunner:
         (up to 256 rows: cheap products); a larger bucket's is built when a step first uses it."""
         packed = [(m.packed, getattr(m, "bias", None)) for m in model.modules()
                   if isinstance(m, (LinearBase, ParallelLMHead)) and m.packed is not None]
+        rows = min(256, self.config.scheduler.max_num_batched_tokens)
         if packed:
-            cpu_gemm.warm_up(packed, min(256, self.config.scheduler.max_num_batched_tokens))
+            cpu_gemm.warm_up(packed, rows)
+        int8 = [m.int8 for m in model.modules()
+                if isinstance(m, (LinearBase, ParallelLMHead)) and m.int8 is not None]
+        if int8:
+            quant_linear.warm_up(int8, self.dtype, rows)
 
     @property
     def kv_cache(self) -> torch.Tensor | None:
@@ -189,3 +196,19 @@ class ModelRunner:
     def send_exit(self) -> None:
         """Rank 0: tell ranks 1..N-1 to leave ``serve_steps``."""
         broadcast_cpu(step_message.exit_header())
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a loaded model's weights as stored: the parameters still held (prepacking
+    releases a plain copy), prepacked oneDNN tensors, int8 values and their scales."""
+    seen: set[int] = set()
+    held: list[torch.Tensor | None] = list(model.parameters())
+    for m in model.modules():
+        if isinstance(m, (LinearBase, ParallelLMHead)):
+            held += [m.packed, m.weight_scale, *(m.int8[:2] if m.int8 is not None else ())]
+    total = 0
+    for t in held:
+        if t is not None and id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total

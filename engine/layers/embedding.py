@@ -1,4 +1,9 @@
-"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the rows."""
+"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the rows.
+
+Quantized (``quantize``), the rows are int8 with one float32 scale per row (per output channel of
+the LM head's product): the embedding looks rows up and scales them back to the model's dtype;
+the LM head runs the int8 product of ``kernels.quant_linear``. A tied LM head shares the
+embedding's int8 values and scales."""
 
 from __future__ import annotations
 
@@ -8,7 +13,8 @@ from torch import nn
 
 from engine.distributed import all_reduce, divide, gather_last_dim, tp_rank, tp_size
 from engine.loader import Loaded, ShardId, as_tensor, set_weight_loader, shard
-from kernels import cpu_gemm
+from kernels import cpu_gemm, quant_linear
+from kernels.quant_linear import Int8Packed
 
 
 class _VocabParallel(nn.Module):
@@ -21,6 +27,15 @@ class _VocabParallel(nn.Module):
         self.start = tp_rank() * self.shard_size
         self.weight = nn.Parameter(torch.empty(self.shard_size, hidden), requires_grad=False)
         set_weight_loader(self.weight, self.weight_loader)
+        self.weight_scale: torch.Tensor | None = None  # quantized: [shard_size] float32
+        self.dtype = self.weight.dtype  # the model's dtype (the weight's before quantizing)
+
+    def quantize(self) -> None:
+        """After loading: int8 rows with one scale each, in place (the parameter object stays,
+        so a module sharing it sees the int8 values: give it ``weight_scale`` too)."""
+        self.dtype = self.weight.dtype
+        q, self.weight_scale = quant_linear.quantize_int8(self.weight)
+        self.weight.data = q
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: ShardId = None) -> None:
         part = shard(loaded, 0, tp_rank(), tp_size(), self.shard_size, "embedding")
@@ -31,12 +46,19 @@ class _VocabParallel(nn.Module):
 
 
 class VocabParallelEmbedding(_VocabParallel):
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of this rank's shard, in the model's dtype."""
+        if self.weight_scale is None:
+            return F.embedding(ids, self.weight)
+        rows = F.embedding(ids, self.weight).to(self.dtype)
+        return rows.mul_(self.weight_scale[ids].unsqueeze(-1).to(self.dtype))
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if tp_size() == 1:
-            return F.embedding(input_ids, self.weight)
+            return self.lookup(input_ids)
         local = input_ids - self.start
         mask = (local >= 0) & (local < self.shard_size)
-        out = F.embedding(local.clamp(0, self.shard_size - 1), self.weight)
+        out = self.lookup(local.clamp(0, self.shard_size - 1))
         out.mul_(mask.unsqueeze(-1).to(out.dtype))
         return all_reduce(out)
 
@@ -47,13 +69,25 @@ class ParallelLMHead(_VocabParallel):
     def __init__(self, vocab_size: int, hidden: int):
         super().__init__(vocab_size, hidden)
         self.packed: torch.Tensor | None = None
+        self.int8: Int8Packed | None = None
 
     def pack_weights(self, tied: bool) -> None:
         """After loading: prepack for oneDNN on the CPU; a tied weight stays for the embedding."""
-        if self.packed is None:
+        if self.weight_scale is not None:
+            if self.int8 is None and quant_linear.cpu_supported(self.weight):
+                self.int8 = quant_linear.pack_int8(self.weight, self.weight_scale)
+                if not tied:
+                    self.weight.data = self.weight.data.new_empty(0)
+        elif self.packed is None:
             self.packed = cpu_gemm.take_packed(self.weight, keep_plain=tied)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        if self.packed is not None:
-            return gather_last_dim(cpu_gemm.packed_linear(hidden, self.packed, None))
-        return gather_last_dim(F.linear(hidden, self.weight))
+        if self.int8 is not None:
+            logits = quant_linear.int8_linear(hidden, self.int8, None)
+        elif self.weight_scale is not None:
+            logits = quant_linear.int8_linear_ref(hidden, self.weight, self.weight_scale, None)
+        elif self.packed is not None:
+            logits = cpu_gemm.packed_linear(hidden, self.packed, None)
+        else:
+            logits = F.linear(hidden, self.weight)
+        return gather_last_dim(logits)

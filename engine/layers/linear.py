@@ -16,7 +16,10 @@ from torch import nn
 
 from engine.distributed import all_reduce, divide, tp_rank, tp_size
 from engine.loader import Loaded, ShardId, as_tensor, set_weight_loader, shard
-from kernels import cpu_gemm
+from kernels import cpu_gemm, quant_linear
+from kernels.quant_linear import Int8Packed
+
+QUANTIZATION_METHODS = ("int8",)
 
 
 def _copy_checked(param: torch.Tensor, part: Loaded, name: str) -> None:
@@ -38,13 +41,35 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.packed: torch.Tensor | None = None  # the weight prepacked for oneDNN (CPU)
+        self.quantization: str | None = None
+        self.weight_scale: torch.Tensor | None = None  # int8: per output channel, float32
+        self.int8: Int8Packed | None = None  # int8 prepacked for oneDNN (CPU)
+
+    def quantize(self, method: str) -> None:
+        """After loading: keep the weight as ``method`` (``QUANTIZATION_METHODS``): int8 values
+        with one float32 scale per output channel of this rank's shard."""
+        if method not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {method!r}")
+        q, scale = quant_linear.quantize_int8(self.weight)
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.weight_scale = scale.to(q.device)
+        self.quantization = method
 
     def pack_weights(self) -> None:
         """After loading: on CPUs that support it, keep the weight in oneDNN's layout only."""
-        if self.packed is None:
+        if self.quantization is not None:
+            if self.int8 is None and quant_linear.cpu_supported(self.weight):
+                assert self.weight_scale is not None
+                self.int8 = quant_linear.pack_int8(self.weight, self.weight_scale)
+                self.weight.data = self.weight.data.new_empty(0)
+        elif self.packed is None:
             self.packed = cpu_gemm.take_packed(self.weight)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.int8 is not None:
+            return quant_linear.int8_linear(x, self.int8, bias)
+        if self.weight_scale is not None:
+            return quant_linear.int8_linear_ref(x, self.weight, self.weight_scale, bias)
         if self.packed is not None:
             return cpu_gemm.packed_linear(x, self.packed, bias)
         return F.linear(x, self.weight, bias)
@@ -123,3 +148,12 @@ class RowParallelLinear(LinearBase):
         if self.bias is not None:
             y = y + self.bias
         return y
+
+
+def quantize_linears(model: nn.Module, method: str) -> int:
+    """After loading: quantize every linear layer of ``model`` (not its embedding or LM head)
+    to ``method``; returns how many were."""
+    layers = [m for m in model.modules() if isinstance(m, LinearBase)]
+    for m in layers:
+        m.quantize(method)
+    return len(layers)

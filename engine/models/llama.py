@@ -15,6 +15,7 @@ from engine.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    quantize_linears,
 )
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
@@ -109,6 +110,16 @@ class LlamaForCausalLM(CausalLM):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def quantize_weights(self, method: str) -> None:
+        """After loading: the linear layers, the embedding and the LM head to ``method``."""
+        quantize_linears(self, method)
+        self.model.embed_tokens.quantize()
+        if self.cfg.tie_word_embeddings:  # the same parameter, already int8
+            self.lm_head.weight_scale = self.model.embed_tokens.weight_scale
+            self.lm_head.dtype = self.model.embed_tokens.dtype
+        else:
+            self.lm_head.quantize()
 
     def pack_weights(self) -> None:
         """After loading: let every matmul layer prepack its weight for the device."""

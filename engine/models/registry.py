@@ -25,7 +25,7 @@ class CausalLM(nn.Module):
     ``forward(input_ids [T], positions [T]) -> hidden [T, H]`` reads the step's attention
     metadata from ``engine.context``; ``compute_logits(hidden [N, H])`` returns the logits
     [N, vocab] on tensor-parallel rank 0 and None on the other ranks; ``pack_weights()`` runs
-    once, after ``engine.loader.load_weights``, which reads ``packed_modules_mapping``
+    once, after ``engine.loader.load_weights`` (and ``quantize_weights`` when quantizing), which reads ``packed_modules_mapping``
     (checkpoint name part -> (fused module, shard id)).
     """
 
@@ -46,6 +46,11 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     def pack_weights(self) -> None:
+        raise NotImplementedError
+
+    def quantize_weights(self, method: str) -> None:
+        """After loading, before ``pack_weights``: keep the weights in ``method``'s format
+        (``ModelConfig.quantization``)."""
         raise NotImplementedError
 
 
