@@ -37,6 +37,7 @@ class PromptProcessor:
         self.model_name = model_name
         self.max_model_len: int = info["max_model_len"]
         self.dtype: str | None = info.get("dtype")  # the Workers' activations dtype
+        self.quantization: str | None = info.get("quantization")  # their weights' ("int8")
         self.vocab_size: int = info["vocab_size"]
         self._chunk = prefix_chunk_tokens
         self.max_n = max_n

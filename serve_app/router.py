@@ -91,8 +91,9 @@ class Router:
             try:
                 info = await asyncio.wait_for(self.workers.model_info(), timeout=10.0)
                 self.prompts = PromptProcessor.for_app(info, self.cfg)
-                logger.info("serving %s (dtype %s, max_model_len %d, vocab_size %d)",
-                            self.prompts.model_name, info["dtype"], info["max_model_len"],
+                logger.info("serving %s (dtype %s, weights %s, max_model_len %d, vocab_size "
+                            "%d)", self.prompts.model_name, info["dtype"],
+                            info.get("quantization") or info["dtype"], info["max_model_len"],
                             info["vocab_size"])
                 return
             except Exception as exc:  # no Worker yet, or it is still loading its model
@@ -112,7 +113,8 @@ class Router:
         self._authorize(request)
         p = await self._ready()
         card = {"id": p.model_name, "object": "model", "created": 0, "owned_by": "pagedserve",
-                "max_model_len": p.max_model_len, "dtype": p.dtype}
+                "max_model_len": p.max_model_len, "dtype": p.dtype,
+                "quantization": p.quantization}
         return JSONResponse({"object": "list", "data": [card]})
 
     @api.get("/v1/stats")

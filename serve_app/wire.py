@@ -130,6 +130,7 @@ class ModelInfo(TypedDict):
     vocab_size: int  # token ids the engine accepts: [0, vocab_size) (config.json's, not the
     #                  tokenizer's length, which may be smaller)
     dtype: str  # the activations' dtype in use, e.g. "float32"
+    quantization: str | None  # the linear layers' weights: "int8", or None (in dtype)
     tokenizer: Any  # the model's Hugging Face tokenizer
 
 

@@ -181,6 +181,7 @@ class Worker:
             "max_model_len": self.engine.max_model_len,
             "vocab_size": self.engine.vocab_size,
             "dtype": str(self.engine.dtype).removeprefix("torch."),
+            "quantization": self.engine.config.model.quantization,
             "tokenizer": self.engine.tokenizer,
         }
 

@@ -34,6 +34,8 @@ REJECTED = [
                  'model.download.allowPatterns: "*.py" would fetch Python files', id="remote-code"),
     pytest.param({"autoscaling": {"policy": "fastest"}}, "at '/autoscaling/policy'",
                  id="unknown-policy"),
+    pytest.param({"app": {"quantization": "int4"}}, "at '/app/quantization'",
+                 id="unknown-quantization"),
     pytest.param({"autoscaling": {"policy": "inline"}},
                  "at '/autoscaling/inline': minProperties: got 0, want 1", id="inline-missing"),
     pytest.param({"autoscaling": {"inline": {"max_replicas": 2}}},
