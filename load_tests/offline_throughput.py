@@ -167,7 +167,8 @@ class EngineBackend:
         self.llm = LLM(model=str(path), dtype=args.dtype, max_model_len=args.max_model_len,
                        max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens,
-                       kv_cache_memory_bytes=args.kv_cache_gib << 30, num_threads=args.threads)
+                       kv_cache_memory_bytes=args.kv_cache_gib << 30, num_threads=args.threads,
+                       quantization=args.quantization)
         self._generate(WARMUP, use_tqdm=False)
         self.timers = StepTimers(self.llm.engine) if args.profile else None
         self.profiled_s = 0.0
@@ -343,14 +344,16 @@ class StepTimers:
     Parts: ``schedule`` (Scheduler.schedule), ``prepare`` (ModelRunner.prepare), ``forward``
     (the model's forward), ``logits`` (compute_logits), ``sample`` (the sampler), and ``other``:
     the rest of ``LLMEngine.step`` (finish_step, appending tokens, stop checks, outputs). The
-    forward is split further by the kernel entry points in ``kernels.ops``, ``F.linear``
-    and ``kernels.cpu_gemm.packed_linear``
+    forward is split further by the kernel entry points in ``kernels.ops``, ``F.linear``,
+    ``kernels.cpu_gemm.packed_linear`` and ``kernels.quant_linear``'s products
     (``fwd.rest``: embedding, splits, views, residual copies, module-call overhead). Steps are
     counted apart as decode-only steps and steps that carry a prefill chunk.
     """
 
     PARTS = ("schedule", "prepare", "forward", "logits", "sample")
-    FWD_PARTS = {"linear": ("torch.nn.functional.linear", "kernels.cpu_gemm.packed_linear"),
+    FWD_PARTS = {"linear": ("torch.nn.functional.linear", "kernels.cpu_gemm.packed_linear",
+                            "kernels.quant_linear.int8_linear",
+                            "kernels.quant_linear.int8_linear_ref"),
                  "attention": ("kernels.ops.paged_attention",),
                  "kv_store": ("kernels.ops.store_kv_cache",),
                  "norm": ("kernels.ops.rms_norm", "kernels.ops.fused_add_rms_norm"),
@@ -576,6 +579,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--torch-profile-batch", type=int, default=64,
                    help="requests (256-token prompts) in the torch-profiled decode steps")
     p.add_argument("--plot", default=None, help="write a bar chart of output tokens/s here")
+    p.add_argument("--quantization", choices=("int8",), default=None,
+                   help="the engine's linear weights (vLLM and HF run unquantized)")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
                    help="activations' dtype for every backend; auto: what the engine's "
                    "dtype=auto picks for the bf16 checkpoint on this (capped) CPU")

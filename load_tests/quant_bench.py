@@ -1,0 +1,153 @@
+"""Precision modes side by side: the same model and workload through the engine in its plain
+dtype and with each quantization mode, and vLLM's CPU build in the plain dtype, in one
+invocation.
+
+For each engine variant: the bytes its weights take (linear layers as stored, prepacked or not,
+with their scales; embedding, LM head and norms), the KV-cache blocks it gets from the same
+memory, offline output tokens/s on ``offline_throughput.py``'s workload, and decode-only
+tokens/s at batch 1, 8 and 64 (a batch of 16-token prompts generating ``--decode-tokens``
+tokens, less the same batch's prefill and first token, with fresh prompt ids each time so the
+prefix cache never answers). One JSON line per variant (and one for vLLM), then a summary line
+with each variant's ratios to the plain dtype, and with ``--plot`` a bar chart of the ratios.
+
+    .venv/bin/python load_tests/quant_bench.py --model-size 0.5b --num-prompts 64 \\
+        --vllm-python /tmp/vllm-venv/bin/python --plot docs/quant_bench.png
+
+The plain dtype is what ``dtype=auto`` takes on this CPU (bfloat16 only where it is native),
+or ``--dtype``. Only the modes the engine has are run (``MODES``); ``--isa CLASS`` caps the
+instruction set as ``offline_throughput.py`` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import offline_throughput as ot  # noqa: E402  (after the path)
+
+MODES = (None, "int8")  # quantization values the engine accepts (None: the plain dtype)
+DECODE_BATCHES = (1, 8, 64)
+
+
+def decode_tok_s(llm, batch: int, new_tokens: int, seed: int) -> float:
+    """Tokens/s of decode steps alone at ``batch`` sequences (see the module's docstring)."""
+    from engine import SamplingParams
+
+    rng = random.Random(seed)
+
+    def run(max_tokens: int) -> float:
+        prompts = [{"prompt_token_ids": [rng.randrange(1000) for _ in range(16)]}
+                   for _ in range(batch)]
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                detokenize=False)
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    first = min(run(1) for _ in range(2))
+    full = min(run(1 + new_tokens) for _ in range(2))
+    return batch * new_tokens / max(full - first, 1e-9)
+
+
+def run_engine(path: Path, wl: ot.Workload, args, mode: str | None) -> dict:
+    from engine.model_runner import weight_bytes
+
+    args.quantization = mode
+    backend = ot.EngineBackend(path, args)
+    llm = backend.llm
+    res = {"variant": mode or args.dtype, "dtype": args.dtype, "quantization": mode,
+           "weight_bytes": weight_bytes(llm.engine.runner.model),
+           "kv_blocks": llm.engine.runner.num_blocks}
+    elapsed, _ = backend.generate(wl)
+    res["output_tok_s"] = round(wl.output_tokens / elapsed, 2)
+    for b in DECODE_BATCHES:
+        res[f"decode_tok_s_b{b}"] = round(decode_tok_s(llm, b, args.decode_tokens, seed=b), 2)
+    backend.close()
+    gc.collect()
+    return res
+
+
+def summary(runs: list[dict], vllm: dict | None) -> dict:
+    base = runs[0]
+    keys = ["weight_bytes", "kv_blocks", "output_tok_s",
+            *(f"decode_tok_s_b{b}" for b in DECODE_BATCHES)]
+    out: dict = {"summary": True, "baseline": base["variant"], "ratios": {}}
+    for r in runs[1:]:
+        out["ratios"][r["variant"]] = {k: round(r[k] / base[k], 3) for k in keys}
+    if vllm is not None:
+        out["vllm_output_tok_s"] = vllm["output_tok_s"]
+        out["engine_vs_vllm_output"] = {r["variant"]: round(r["output_tok_s"] /
+                                                            vllm["output_tok_s"], 3)
+                                        for r in runs}
+    return out
+
+
+def plot(summ: dict, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = list(summ["ratios"])
+    keys = list(next(iter(summ["ratios"].values()))) if variants else []
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / max(1, len(variants))
+    for i, v in enumerate(variants):
+        xs = [j + i * width for j in range(len(keys))]
+        ax.bar(xs, [summ["ratios"][v][k] for k in keys], width, label=v)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([j + width * (len(variants) - 1) / 2 for j in range(len(keys))], keys,
+                  rotation=20, fontsize=8)
+    ax.set_ylabel(f"ratio to {summ['baseline']}")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> None:
+    own = argparse.ArgumentParser(add_help=False)  # the rest are offline_throughput.py's
+    own.add_argument("--decode-tokens", type=int, default=32)
+    own.add_argument("--plot", default=None, help="a bar chart of the ratios (PNG)")
+    mine, rest = own.parse_known_args(argv)
+    backends = "engine,vllm" if "--vllm-python" in rest else "engine"
+    args = ot.parse_args(["--backends", backends, *rest])
+    args.decode_tokens = mine.decode_tokens
+    plot_path = mine.plot
+    ot.apply_isa_cap(args.isa)
+    ot.resolve_cpu(args)
+    path = ot.checkpoint_path(args.model_size)
+    wl = ot.make_workload(args.num_prompts, args.seed, tuple(args.prompt_len),
+                          tuple(args.output_len))
+    runs = []
+    for mode in MODES:
+        res = {**run_engine(path, wl, args, mode), "model": args.model_size, "cpu": args.cpu,
+               "num_prompts": args.num_prompts}
+        runs.append(res)
+        print(json.dumps(res), flush=True)
+    vllm = None
+    if "vllm" in args.backends:
+        backend = ot.VLLMBackend(path, args)
+        try:
+            elapsed, _ = backend.generate(wl)
+        finally:
+            backend.close()
+        vllm = {"variant": f"vllm {args.dtype}", "model": args.model_size, "cpu": args.cpu,
+                "output_tok_s": round(wl.output_tokens / elapsed, 2)}
+        print(json.dumps(vllm), flush=True)
+    summ = summary(runs, vllm)
+    print(json.dumps(summ), flush=True)
+    if plot_path:
+        plot(summ, plot_path, f"{args.model_size}, {args.num_prompts} requests, "
+             f"{args.cpu['class']}: ratios to {summ['baseline']}")
+
+
+if __name__ == "__main__":
+    main()
