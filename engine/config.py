@@ -43,11 +43,12 @@ class ModelConfig(_Strict):
         "model's max_position_embeddings."
     )
     quantization: Literal["int8"] | None = Field(
-        None, description="Store the linear layers' weights in lower precision, quantized at "
-        "load time from the checkpoint: 'int8' keeps int8 values with one scale per output "
-        "channel (half the bytes of bfloat16; the embedding and LM head stay in dtype). On the "
-        "CPU the products run in int8 with activations quantized per token on the fly; "
-        "elsewhere the weights are converted to dtype in each product. None: dtype throughout.",
+        None, description="Store the weights in lower precision, quantized at load time from "
+        "the checkpoint: 'int8' keeps the linear layers', the embedding's and the LM head's "
+        "weights as int8 values with one scale per output channel (row), half the bytes of "
+        "bfloat16. On the CPU the products run in int8 with activations quantized per token on "
+        "the fly; elsewhere the weights are converted to dtype in each product. None: dtype "
+        "throughout.",
     )
     seed: int = Field(0, description="Seed for the default model and for unseeded sampling.")
 
