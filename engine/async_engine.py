@@ -54,6 +54,7 @@ class AsyncEngine:
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.vocab_size
         self.dtype = self.engine.dtype  # the activations' dtype in use (dtype="auto" resolved)
+        self.quantization = self.engine.quantization  # the weights' format; None: dtype
         self._inbox: queue.SimpleQueue[_Message] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}

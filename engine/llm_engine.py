@@ -65,6 +65,9 @@ class LLMEngine:
         check_vocab(model_path, self.hf, self.tokenizer)
         self.eos_token_ids = frozenset(eos_token_ids(model_path, self.hf, self.tokenizer))
         self.dtype = dtype = resolve_dtype(config.model.dtype, self.hf.torch_dtype, self.device)
+        # how the weights are kept: the quantization setting, else the checkpoint's own
+        self.quantization = config.model.quantization or (
+            self.hf.quantization.label if self.hf.quantization else None)
         if tp > 1:
             self.ranks = start_ranks(rank_launcher, config, self.device, model_path, dtype,
                                      self.max_model_len)

@@ -24,7 +24,11 @@ from engine.envs import configure_kernels
 from engine.kv_cache_tensor import KVCacheTensor, kv_budget_bytes
 from engine.layers.attention import Attention
 from engine.layers.embedding import ParallelLMHead
-from engine.layers.linear import LinearBase
+from engine.layers.linear import (
+    LinearBase,
+    expect_quantized_linears,
+    finish_quantized_linears,
+)
 from engine.layers.sampler import Sampler, SamplerOutput
 from engine.loader import load_weights
 from engine.models.hf_config import HFConfig
@@ -66,7 +70,13 @@ class ModelRunner:
                 model = model_class(self.hf.architecture)(self.hf)
         finally:
             torch.set_default_dtype(default_dtype)
+        checkpoint_quant = self.hf.quantization
+        if checkpoint_quant is not None:
+            expect_quantized_linears(model, checkpoint_quant.weight_type,
+                                     checkpoint_quant.packed)
         load_weights(model, model_path, progress=progress)
+        if checkpoint_quant is not None:
+            finish_quantized_linears(model)
         if self.config.model.quantization is not None:
             model.quantize_weights(self.config.model.quantization)
         model.pack_weights()

@@ -130,7 +130,8 @@ class ModelInfo(TypedDict):
     vocab_size: int  # token ids the engine accepts: [0, vocab_size) (config.json's, not the
     #                  tokenizer's length, which may be smaller)
     dtype: str  # the activations' dtype in use, e.g. "float32"
-    quantization: str | None  # the linear layers' weights: "int8", or None (in dtype)
+    quantization: str | None  # the weights' format ("int8", "compressed-tensors:int8-w8a8",
+    #                           ...), or None (in dtype)
     tokenizer: Any  # the model's Hugging Face tokenizer
 
 

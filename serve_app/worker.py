@@ -45,6 +45,7 @@ class ServingEngine(EngineStatsSource, Protocol):
     max_model_len: int
     vocab_size: int  # token ids it accepts: [0, vocab_size)
     dtype: Any  # the activations' torch dtype
+    quantization: str | None  # the weights' format ("int8", ...); None: in dtype
     tokenizer: Any
     config: EngineConfig
 
@@ -181,7 +182,7 @@ class Worker:
             "max_model_len": self.engine.max_model_len,
             "vocab_size": self.engine.vocab_size,
             "dtype": str(self.engine.dtype).removeprefix("torch."),
-            "quantization": self.engine.config.model.quantization,
+            "quantization": self.engine.quantization,
             "tokenizer": self.engine.tokenizer,
         }
 

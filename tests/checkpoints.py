@@ -53,3 +53,53 @@ def make_checkpoint(path: str | Path, arch: str = "llama", seed: int = 0,
         if (src / name).exists():
             shutil.copy(src / name, path / name)
     return path
+
+
+COMPRESSED_SCHEMES = ("int8-w8a8", "int8-w8a16", "fp8-w8a8", "fp8-w8a16")
+
+
+def make_compressed_checkpoint(src: str | Path, path: str | Path, scheme: str) -> Path:
+    """The checkpoint at ``src`` quantized with the compressed-tensors library, as
+    llm-compressor writes it: the Linear layers' weights 8-bit with one scale per output
+    channel (``scheme``: "int8"/"fp8" weights, "w8a8" with dynamic per-token activations or
+    "w8a16" weight-only), the LM head left out. Scales are the library's own
+    (``calculate_qparams``) from each channel's min and max."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from transformers import AutoModelForCausalLM
+
+    weights, acts = scheme.split("-")
+    kind = "int" if weights == "int8" else "float"
+    args = dict(num_bits=8, type=kind, symmetric=True)
+    quant_scheme = QuantizationScheme(
+        targets=["Linear"], weights=QuantizationArgs(**args, strategy="channel"),
+        input_activations=(QuantizationArgs(**args, strategy="token", dynamic=True)
+                           if acts == "w8a8" else None))
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": quant_scheme},
+                                                        ignore=["lm_head"]),
+                              show_progress=False)
+    for module in model.modules():
+        if getattr(module, "quantization_scheme", None) is not None:
+            w = module.weight.detach()
+            scale, zp = calculate_qparams(w.amin(1, keepdim=True).clamp(max=0),
+                                          w.amax(1, keepdim=True).clamp(min=0),
+                                          module.quantization_scheme.weights)
+            module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+            if hasattr(module, "weight_zero_point"):
+                module.weight_zero_point.data.copy_(zp.reshape(module.weight_zero_point.shape))
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    path = Path(path)
+    model.save_pretrained(path)
+    compressor.update_config(str(path))
+    for name in TOKENIZER_FILES:
+        if (Path(src) / name).exists():
+            shutil.copy(Path(src) / name, path / name)
+    return path

@@ -42,18 +42,72 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
         self.packed: torch.Tensor | None = None  # the weight prepacked for oneDNN (CPU)
         self.quantization: str | None = None
-        self.weight_scale: torch.Tensor | None = None  # int8: per output channel, float32
+        # int8: one float32 scale per output channel (a parameter: a quantized checkpoint
+        # loads it, [out, 1] until ``finish_quantized``)
+        self.weight_scale: nn.Parameter | None
+        self.register_parameter("weight_scale", None)
         self.int8: Int8Packed | None = None  # int8 prepacked for oneDNN (CPU)
 
     def quantize(self, method: str) -> None:
         """After loading: keep the weight as ``method`` (``QUANTIZATION_METHODS``): int8 values
-        with one float32 scale per output channel of this rank's shard."""
+        with one float32 scale per output channel of this rank's shard. A layer already
+        quantized (from its checkpoint) stays as it is."""
         if method not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {method!r}")
-        q, scale = quant_linear.quantize_int8(self.weight)
+        if self.quantization is None:
+            self._set_int8(*quant_linear.quantize_int8(self.weight))
+
+    def _set_int8(self, q: torch.Tensor, scale: torch.Tensor) -> None:
         self.weight = nn.Parameter(q, requires_grad=False)
-        self.weight_scale = scale.to(q.device)
-        self.quantization = method
+        self.weight_scale = nn.Parameter(scale.float().to(q.device), requires_grad=False)
+        self.quantization = "int8"
+
+    def expect_quantized(self, weight_dtype: torch.dtype, packed: bool = False) -> None:
+        """Before loading a quantized checkpoint: the weight as stored there (int8 or
+        float8_e4m3fn; ``packed``: int8 values four to an int32 word along the inputs, as
+        ``weight_packed``) and its per-output-channel ``weight_scale`` [out, 1]."""
+        dev, (n, k) = self.weight.device, self.weight.shape
+        if packed:
+            if k % 4:
+                raise ValueError(f"packed int8 weights need a multiple of 4 input features "
+                                 f"per rank, got {k}")
+            del self.weight
+            self.weight_packed = nn.Parameter(torch.empty(n, k // 4, dtype=torch.int32,
+                                                          device=dev), requires_grad=False)
+            set_weight_loader(self.weight_packed, self.weight_loader)
+        else:
+            self.weight = nn.Parameter(torch.empty(n, k, dtype=weight_dtype, device=dev),
+                                       requires_grad=False)
+            set_weight_loader(self.weight, self.weight_loader)
+        self.weight_scale = nn.Parameter(torch.empty(n, 1, device=dev), requires_grad=False)
+        set_weight_loader(self.weight_scale, self._scale_loader)
+
+    def _scale_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: ShardId = None) -> None:
+        if self.shard_dim == 1:  # row-parallel: every rank has every output channel
+            _copy_checked(param, loaded, "weight_scale")
+        else:  # the rows of this rank's output channels, like the weight's
+            self.weight_loader(param, loaded, shard_id)
+
+    def finish_quantized(self, name: str) -> None:
+        """After loading a quantized checkpoint: check the scales and keep the weight as int8
+        (FP8 values are requantized to int8 per output channel: one int8 path on every
+        device, at the cost of a second rounding)."""
+        scale = self.weight_scale
+        assert scale is not None, "expect_quantized first"
+        flat = scale.data.reshape(-1).float()
+        if not bool(torch.isfinite(flat).all()) or bool((flat <= 0).any()):
+            raise ValueError(f"{name}.weight_scale: scales must be finite and positive")
+        words = self._parameters.get("weight_packed")
+        if words is not None:  # compressed-tensors' own unpacking
+            from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+            q = unpack_from_int32(words.data, 8, torch.Size((words.shape[0], words.shape[1] * 4)))
+            del self.weight_packed
+            self._set_int8(q, flat)
+        elif self.weight.dtype == torch.int8:
+            self._set_int8(self.weight.data, flat)
+        else:
+            self._set_int8(*quant_linear.quantize_int8(self.weight.data.float() * flat[:, None]))
 
     def pack_weights(self) -> None:
         """After loading: on CPUs that support it, keep the weight in oneDNN's layout only."""
@@ -157,3 +211,18 @@ def quantize_linears(model: nn.Module, method: str) -> int:
     for m in layers:
         m.quantize(method)
     return len(layers)
+
+
+def expect_quantized_linears(model: nn.Module, weight_type: str, packed: bool) -> None:
+    """Before loading a quantized checkpoint (``CheckpointQuant``'s ``weight_type``, "int" or
+    "float", and ``packed``): every linear layer takes the checkpoint's weights and scales."""
+    dtype = torch.int8 if weight_type == "int" else torch.float8_e4m3fn
+    for m in model.modules():
+        if isinstance(m, LinearBase):
+            m.expect_quantized(dtype, packed)
+
+
+def finish_quantized_linears(model: nn.Module) -> None:
+    for name, m in model.named_modules():
+        if isinstance(m, LinearBase):
+            m.finish_quantized(name)

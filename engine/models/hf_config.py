@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.layers.rotary import SUPPORTED_ROPE_TYPES
+from engine.models.quant_config import CheckpointQuant, parse_checkpoint_quant
 
 
 @dataclass
@@ -37,6 +38,7 @@ class HFConfig:
     sliding_window: int | None
     torch_dtype: str | None
     eos_token_ids: list[int]
+    quantization: CheckpointQuant | None = None  # the checkpoint's own (quantization_config)
 
     @classmethod
     def load(cls, folder: str | Path) -> HFConfig:
@@ -63,7 +65,7 @@ class HFConfig:
                              "(supported: silu)")
         if raw.get("mlp_bias"):
             raise ValueError(f"{where}: mlp_bias=true is not supported")
-        check_no_quantization(raw, where)
+        quantization = parse_checkpoint_quant(raw.get("quantization_config"), where)
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind not in SUPPORTED_ROPE_TYPES:
@@ -98,6 +100,7 @@ class HFConfig:
             sliding_window=window,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            quantization=quantization,
         )
 
 
@@ -140,15 +143,3 @@ def check_no_remote_code(raw: dict[str, Any], where: str) -> None:
                      "pagedserve never runs checkpoint code (there is no trust_remote_code). If "
                      "the model is a standard Llama, Mistral or Qwen2, delete auto_map from the "
                      "file.")
-
-
-def check_no_quantization(raw: dict[str, Any], where: str) -> None:
-    """Refuse a quantized checkpoint: its weights would load without their scales (wrong
-    numbers, no error) since no quantization method is implemented yet."""
-    quant = raw.get("quantization_config")
-    if quant is None:
-        return
-    method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
-    raise ValueError(f"{where}: quantization_config with quant_method {method!r} is not "
-                     "supported (no quantization method is implemented); use an unquantized "
-                     "checkpoint")
