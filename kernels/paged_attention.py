@@ -136,7 +136,7 @@ def find_seq(
     return lo - 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _paged_attention_kernel(
     out_ptr,  # [T, Hq, D] strides (stride_ot, stride_oh, 1)
     q_ptr,  # [T, Hq, D] strides (stride_qt, stride_qh, 1)

@@ -1,9 +1,13 @@
 """Split-KV (flash-decoding) paged attention for decode-only batches with long contexts.
 
-With few sequences the one-program-per-(sequence, kv head) grid leaves most of the GPU idle. The
-context is cut into partitions of `partition` keys; each (sequence, kv head, partition) program
-writes an unnormalised partial output with its running max and sum, and a reduce kernel merges
-the partitions of each (sequence, query head).
+With few sequences the one-program-per-(sequence, kv head) grid leaves most of the GPU idle. Each
+sequence's context is cut into ``num_splits`` chunks, each chunk its own length's share (a
+multiple of the key tile) computed in the kernel from the sequence's real length; each
+(sequence, kv head, split) program writes an unnormalised partial output with its running max and
+sum, and a reduce kernel merges the splits of each (sequence, query head). The split count is a
+runtime value (as is every length), so one compiled variant per model and dtype serves every
+context length: no compile under traffic as contexts grow, and under CUDA graphs (split count
+fixed by ``max_model_len``) a short context still spreads over all splits.
 """
 
 from __future__ import annotations
@@ -19,10 +23,10 @@ DEFAULT_PARTITION = 512
 MAX_SPLITS = 64
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _split_kernel(
-    part_acc_ptr,  # [B, Hq, NUM_SPLITS, D_PAD] float32, contiguous: unnormalised partial outputs
-    part_ml_ptr,  # [B, Hq, NUM_SPLITS, 2] float32, contiguous: (max in log2 domain, sum of exp)
+    part_acc_ptr,  # [B, Hq, num_splits, D_PAD] float32, contiguous: unnormalised partial outputs
+    part_ml_ptr,  # [B, Hq, num_splits, 2] float32, contiguous: (max in log2 domain, sum of exp)
     q_ptr,  # [T, Hq, D] strides (stride_qt, stride_qh, 1); T == B, one token per sequence
     k_cache_ptr,  # [num_blocks, block_size, Hk, D] strides (stride_cb, stride_co, stride_ch, 1)
     v_cache_ptr,  # [num_blocks, block_size, Hk, D] same strides as k_cache
@@ -32,11 +36,10 @@ def _split_kernel(
     qk_scale,  # softmax scale * log2(e)
     num_q_heads,
     head_size,
+    num_splits,  # programs per (sequence, kv head) along the context
     stride_qt, stride_qh, stride_cb, stride_co, stride_ch, stride_bt,
     GROUP: tl.constexpr,  # Hq // Hk
     BLOCK_M: tl.constexpr,  # next power of two >= max(GROUP, 16)
-    NUM_SPLITS: tl.constexpr,
-    PARTITION: tl.constexpr,  # keys per split, a multiple of TILE_N
     TILE_N: tl.constexpr,
     D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -55,15 +58,16 @@ def _split_kernel(
     row_valid = rows < tl.where(q_len > 0, GROUP, 0)
     q = load_rows(q_ptr, token * stride_qt + head * stride_qh, row_valid, head_size, D_PAD,
                   FP32_DOT)
-    kv_start = split * PARTITION
-    kv_end = tl.minimum(kv_start + PARTITION, seq_len)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), TILE_N) * TILE_N  # this sequence's share
+    kv_start = split * chunk
+    kv_end = tl.minimum(kv_start + chunk, seq_len)  # empty past the end: max -inf, sum 0
     acc, m_i, l_i = attend_range(
         q, tl.zeros([BLOCK_M], tl.int32) + seq_len - 1, row_valid, k_cache_ptr, v_cache_ptr,
         block_tables_ptr + seq * stride_bt, kv_head.to(tl.int64) * stride_ch,
         kv_start, kv_end, qk_scale, stride_cb, stride_co, head_size,
         BLOCK_M, TILE_N, D_PAD, BLOCK_SIZE, FP32_DOT,
     )
-    part = (seq * num_q_heads + head) * NUM_SPLITS + split  # [BLOCK_M]
+    part = (seq * num_q_heads + head) * num_splits + split  # [BLOCK_M]
     keep = rows < GROUP
     dims = tl.arange(0, D_PAD)
     tl.store(part_acc_ptr + part[:, None] * D_PAD + dims[None, :], acc, mask=keep[:, None])
@@ -71,17 +75,17 @@ def _split_kernel(
     tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=keep)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_kernel(
     out_ptr,  # [T, Hq, D] strides (stride_ot, stride_oh, 1)
-    part_acc_ptr,  # [B, Hq, NUM_SPLITS, D_PAD] float32
-    part_ml_ptr,  # [B, Hq, NUM_SPLITS, 2] float32
+    part_acc_ptr,  # [B, Hq, num_splits, D_PAD] float32
+    part_ml_ptr,  # [B, Hq, num_splits, 2] float32
     query_start_loc_ptr,  # [B+1]
     num_q_heads,
     head_size,
+    num_splits,
     stride_ot, stride_oh,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,  # next power of two >= NUM_SPLITS
+    SPLITS_PAD: tl.constexpr,  # a power of two >= every num_splits (MAX_SPLITS)
     D_PAD: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
@@ -91,8 +95,8 @@ def _reduce_kernel(
         return
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, D_PAD)
-    part = (seq * num_q_heads + head) * NUM_SPLITS + splits
-    in_split = splits < NUM_SPLITS
+    part = (seq * num_q_heads + head) * num_splits + splits
+    in_split = splits < num_splits
     maxes = tl.load(part_ml_ptr + part * 2, mask=in_split, other=float("-inf"))
     sums = tl.load(part_ml_ptr + part * 2 + 1, mask=in_split, other=0.0)
     top = tl.max(maxes, axis=0)
@@ -121,31 +125,31 @@ def launch_split(
     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
     max_seq_len: int, partition: int | None, common: TileLaunchArgs,
 ) -> None:
-    """Run the split and reduce kernels; arguments were checked by paged_attention_triton."""
+    """Run the split and reduce kernels; arguments were checked by paged_attention_triton.
+    The split count: ``max_seq_len`` over ``partition`` (default 512) keys, at most
+    ``MAX_SPLITS``; each sequence's chunk is its own length over that count (in the kernel)."""
     num_seqs, num_q_heads, head_size = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     tile = common["TILE_N"]
-    if partition is None:
-        partition = max(DEFAULT_PARTITION, next_power_of_2(-(-max_seq_len // MAX_SPLITS)))
+    partition = DEFAULT_PARTITION if partition is None else partition
     if partition % tile != 0:
         raise ValueError(f"partition_size must be a multiple of {tile}, got {partition}")
-    num_splits = max(-(-max_seq_len // partition), 1)
+    num_splits = min(max(-(-max_seq_len // partition), 1), MAX_SPLITS)
     d_pad = common["D_PAD"]
     part_acc = torch.empty((num_seqs, num_q_heads, num_splits, d_pad), dtype=torch.float32, device=query.device)
     part_ml = torch.empty((num_seqs, num_q_heads, num_splits, 2), dtype=torch.float32, device=query.device)
     _split_kernel[(num_seqs, num_kv_heads, num_splits)](
         part_acc, part_ml, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        common["qk_scale"], num_q_heads, head_size,
+        common["qk_scale"], num_q_heads, head_size, num_splits,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
-        GROUP=group, BLOCK_M=max(16, next_power_of_2(group)), NUM_SPLITS=num_splits,
-        PARTITION=partition, TILE_N=tile, D_PAD=d_pad, BLOCK_SIZE=k_cache.shape[1],
+        GROUP=group, BLOCK_M=max(16, next_power_of_2(group)),
+        TILE_N=tile, D_PAD=d_pad, BLOCK_SIZE=k_cache.shape[1],
         FP32_DOT=common["FP32_DOT"], num_warps=4,
     )
     _reduce_kernel[(num_seqs, num_q_heads)](
-        out, part_acc, part_ml, query_start_loc, num_q_heads, head_size,
+        out, part_acc, part_ml, query_start_loc, num_q_heads, head_size, num_splits,
         out.stride(0), out.stride(1),
-        NUM_SPLITS=num_splits, SPLITS_PAD=next_power_of_2(num_splits), D_PAD=d_pad,
-        num_warps=4,
+        SPLITS_PAD=MAX_SPLITS, D_PAD=d_pad, num_warps=4,
     )

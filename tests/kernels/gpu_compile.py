@@ -11,9 +11,10 @@ thread, spill bytes (local memory) and shared memory. One JSON line per variant 
 
 Scenarios: paged attention (decode, split-KV and its reduce, mixed prefill) for bfloat16,
 float16 and float32, head sizes 64, 80, 96, 128 and 256, GQA groups 1-8, the shapes of
-Llama-3-8B (32 query heads, 8 kv heads, head size 128) and Qwen2.5-0.5B (14, 2, 64); the KV
-store, RMSNorm (with and without the residual), rotary and SiLU-and-multiply at those models'
-sizes. Run in a process without ``TRITON_INTERPRET`` (the interpreter has no compiler).
+Llama-3-8B (32 query heads, 8 kv heads, head size 128) and Qwen2.5-0.5B (14, 2, 64), and
+Llama-3-8B's decode at contexts of 1k, 8k and 128k tokens (which must launch the same variants:
+lengths and the split count are runtime values); the KV store, RMSNorm (with and without the
+residual), rotary and SiLU-and-multiply at those models' sizes. Run in a process without ``TRITON_INTERPRET`` (the interpreter has no compiler).
 """
 
 from __future__ import annotations
@@ -90,12 +91,13 @@ def _type_of(value: Any) -> str:
 
 
 # ----------------------------------------------------------------------------- scenarios
-def _attention(dtype: torch.dtype, hq: int, hk: int, d: int, mode: str) -> None:
+def _attention(dtype: torch.dtype, hq: int, hk: int, d: int, mode: str,
+               seq_len: int | None = None) -> None:
     from kernels.paged_attention import paged_attention_triton
 
     seqs = 2
     query_lens = [1, 1] if mode != "mixed" else [31, 1]
-    seq_len = 2048 if mode == "split" else 64
+    seq_len = seq_len or (2048 if mode == "split" else 64)
     tokens = sum(query_lens)
     blocks = -(-seq_len // BLOCK_SIZE)
     cache = torch.zeros(seqs * blocks, BLOCK_SIZE, hk, d, dtype=dtype)
@@ -135,6 +137,10 @@ def scenarios() -> Iterator[tuple[str, Callable[[], None]]]:
             for mode in ("decode", "split", "mixed"):
                 yield (f"attention {mode} {_TYPES[dtype]} {name}",
                        lambda dt=dtype, a=hq, b=hk, c=d, m=mode: _attention(dt, a, b, c, m))
+        for context in (1024, 8192, 131072):  # growing contexts: the same variants
+            for mode in ("decode", "split"):
+                yield (f"attention {mode} {_TYPES[dtype]} llama-3-8b context {context}",
+                       lambda dt=dtype, m=mode, n=context: _attention(dt, 32, 8, 128, m, n))
         for m, hidden, inter in (("llama-3-8b", 4096, 14336), ("qwen2.5-0.5b", 896, 4864)):
             hq, hk, d = MODELS[m]
             yield (f"small ops {_TYPES[dtype]} {m}",
@@ -143,14 +149,15 @@ def scenarios() -> Iterator[tuple[str, Callable[[], None]]]:
 
 
 def collect() -> list[dict[str, Any]]:
-    """Distinct variants over all scenarios (the first scenario that launches one names it)."""
+    """Distinct variants over all scenarios: the first scenario that launches one names it
+    (``label``), ``labels`` lists every scenario that launches it."""
     seen: dict[str, dict[str, Any]] = {}
     for label, call in scenarios():
         for kernel, args, kwargs in record(call):
             v = variant(kernel, args, kwargs, label)
             key = json.dumps([v["kernel"], v["signature"], v["constexprs"], v["options"]],
                              sort_keys=True)
-            seen.setdefault(key, v)
+            seen.setdefault(key, {**v, "labels": []})["labels"].append(label)
     return list(seen.values())
 
 
@@ -165,7 +172,7 @@ def compile_variant(v: dict[str, Any], target: str) -> dict[str, Any]:
 
     kernel = getattr(importlib.import_module(v["module"]), v["kernel"])
     kernel = kernel.materialize() if hasattr(kernel, "materialize") else kernel
-    out = {k: v[k] for k in ("kernel", "label", "constexprs", "options")}
+    out = {k: v[k] for k in ("kernel", "label", "labels", "constexprs", "options")}
     out["target"] = target
     out["arg_types"] = sorted({t for t in v["signature"].values() if t.startswith("*")})
     try:

@@ -2,8 +2,9 @@
 (A100) with Triton's real compiler, without a GPU (``tests/kernels/gpu_compile.py``, run in a
 process of its own: the interpreter the other kernel tests use has no compiler). Fails on any
 compile error, on register spills in the bfloat16/float16 decode paths (the mixed kernel's
-decode variant and split-KV), which run once per generated token, and on shared memory over a
-target's per-block limit (a launch there would fail). The per-kernel summary of
+decode variant and split-KV), which run once per generated token, on shared memory over a
+target's per-block limit (a launch there would fail), and when decoding at a longer context
+needs another variant (a compile under traffic). The per-kernel summary of
 registers, spills and shared memory is printed (``pytest -s``)."""
 
 from __future__ import annotations
@@ -61,6 +62,14 @@ def test_every_kernel_variant_compiles_for_hopper_and_ampere(tmp_path):
                for r in results if r["shared_bytes"] > SHARED_LIMIT[r["target"]]]
     assert not too_big, "shared memory over the GPU's limit (fails at launch):\n" + \
         "\n".join(too_big)
+    for kernel in ("_paged_attention_kernel", "_split_kernel", "_reduce_kernel"):
+        for dtype in ("bf16", "fp16", "fp32"):  # one variant for every context length
+            mode = "decode" if kernel == "_paged_attention_kernel" else "split"
+            wanted = {f"attention {mode} {dtype} llama-3-8b context {n}"
+                      for n in (1024, 8192, 131072)}
+            hits = [r for r in results if r["kernel"] == kernel and r["target"] == "sm_90"
+                    and wanted & set(r["labels"])]
+            assert len(hits) == 1 and wanted <= set(hits[0]["labels"]), (kernel, dtype)
     print(_table(results))
 
 

@@ -54,6 +54,17 @@ def test_split_kv(device, heads, dtype):
     check(batch, split_kv=True, partition_size=32)
 
 
+def test_split_kv_chunks_follow_each_sequences_length(device):
+    """A split count sized for a long context (as under CUDA graphs, from max_model_len) on
+    short sequences: each sequence cuts its own length into that many chunks, every chunk a
+    multiple of the 32-key tile (so most are empty here), and the result is still exact."""
+    batch = build_paged_batch([150, 7, 65, 33], [1, 1, 1, 1], 8, 2, 64, 16, torch.float32, device)
+    args = list(batch.attention_args(64**-0.5))
+    args[-1] = 8192  # max_seq_len: 16 splits of 512, more than any sequence here fills
+    out = paged_attention_triton(*args, split_kv=True)
+    assert_close(out, paged_attention_ref(*batch.attention_args(64**-0.5)))
+
+
 def test_split_kv_matches_unified_kernel(device):
     batch = build_paged_batch([300, 77], [1, 1], 8, 2, 128, 8, torch.float32, device)
     split = check(batch, split_kv=True, partition_size=64)
