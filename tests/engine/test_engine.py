@@ -294,3 +294,13 @@ def test_engine_config_from_yaml_flat_and_nested(tmp_path):
     bad.write_text("block_size: 12\n")
     with pytest.raises(ValueError, match="block_size must be a power of two"):
         EngineConfig.from_yaml(bad)
+
+
+def test_layers_share_one_rotary_table(llm):
+    """One cos/sin table per model, not one per layer (64 MiB per layer at 128k positions)."""
+    from engine.layers.rotary import RotaryEmbedding
+
+    tables = {id(m.cos_sin_cache) for m in llm.engine.runner.model.modules()
+              if isinstance(m, RotaryEmbedding)}
+    layers = len(llm.engine.runner.model.model.layers)
+    assert layers > 1 and len(tables) == 1
