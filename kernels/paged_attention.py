@@ -157,10 +157,14 @@ def _paged_attention_kernel(
     D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    DECODE: tl.constexpr,  # every sequence has exactly one query token: program i is sequence i
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
-    seq = find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
+    if DECODE:  # no search: one query block per sequence
+        seq = q_block
+    else:
+        seq = find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     local = q_block - (q_start // BLOCK_Q + seq)
@@ -269,13 +273,15 @@ def _launch_mixed(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                   query_start_loc: torch.Tensor, max_query_len: int,
                   common: TileLaunchArgs) -> None:
-    """The one-pass kernel over a mixed batch: a program per block of query rows and kv head."""
+    """The one-pass kernel over a mixed batch: a program per block of query rows and kv head
+    (a decode-only batch: a program per sequence and kv head, without the search)."""
     tokens, num_q_heads, head_size = query.shape
     num_seqs, num_kv_heads = block_tables.shape[0], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     block_m = max(16 if max_query_len == 1 else 64, next_power_of_2(group))
     block_q = block_m // group
-    grid = (tokens // block_q + num_seqs, num_kv_heads)
+    decode = max_query_len == 1 and tokens == num_seqs
+    grid = (num_seqs if decode else tokens // block_q + num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
         out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         common["qk_scale"], num_seqs, head_size,
@@ -283,7 +289,7 @@ def _launch_mixed(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=common["TILE_N"],
         D_PAD=common["D_PAD"], BLOCK_SIZE=k_cache.shape[1], FP32_DOT=common["FP32_DOT"],
-        num_warps=4 if block_m <= 16 else 8 if head_size > 128 else 4,
+        DECODE=decode, num_warps=4 if block_m <= 16 else 8 if head_size > 128 else 4,
     )
 
 
