@@ -1,0 +1,366 @@
+"""One prepared GPU check that ends in a verdict: ``bash load_tests/gpu_check.sh`` (this script,
+from the repository root, on a CUDA machine that has torch, triton and transformers).
+
+Steps, each with its own time limit, each written to ``$OUT/summary.json`` as soon as it ends
+(so a timeout keeps what ran), then one PASS/FAIL/SKIP line per step and a nonzero exit on any
+FAIL:
+
+0. ``preflight``: versions, compute capability, free memory; every module the engine imports
+   present (one clear line, and stop, when one is missing; nothing is installed).
+1. ``kernel_tests``: ``pytest -m gpu tests/kernels -x`` natively on CUDA.
+2. ``engine``: a random bfloat16 Qwen2.5-0.5B-shaped checkpoint (tiny on a dry run): the
+   Triton backend against the torch reference backend, CUDA graphs against eager (greedy
+   tokens equal, logprobs within ``LOGPROB_TOL``), Hugging Face teacher-forced on the same
+   device (top-1 agreement, largest logit difference), and the KV sizing (weights, KV blocks,
+   memory used against ``gpu_memory_utilization``).
+3. ``nccl_graph``: a one-rank NCCL group's ``all_reduce`` captured in a CUDA graph, replayed.
+4. ``performance``: decode ms per step with CUDA graphs at batch 1-256 and contexts 1k and 8k,
+   as a fraction of the HBM floor (weights + KV bytes read per step at the measured copy
+   bandwidth); tokens/s against Hugging Face ``generate`` on the same workload. Goals, reported
+   as checks: batch-1 decode within 1.25x of the floor, 10x HF or more. (Paged attention
+   against copy bandwidth: ``load_tests/kernel_bench.py``, run by ``gpu_check.sh``.)
+
+``GPU_CHECK_DRY=1`` (CI, on a CPU) runs the same script end to end: steps that need CUDA report
+SKIP with the reason, the engine step runs on the CPU with the tiny model (C kernels against
+the references), so the script cannot rot unseen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "load_tests"))
+
+LOGPROB_TOL = 0.05  # bf16 Triton vs the torch reference, graphs vs eager
+REQUIRED = ("torch", "triton", "transformers", "safetensors", "tokenizers", "pydantic", "yaml",
+            "tqdm", "numpy", "compressed_tensors")
+PROMPTS = [[0, *range(100, 140)], [0, 17, 230, 455, 12], [5, 6, 7, 8, 9, 10, 11, 12]]
+
+
+class Skip(Exception):
+    """A step that cannot run here; its message is the reason."""
+
+
+class Check:
+    def __init__(self, out: Path, dry: bool) -> None:
+        self.out, self.dry, self.results = out, dry, []  # type: ignore[var-annotated]
+        self.device = "cpu" if dry else "cuda"
+
+    def run(self, name: str, limit_s: float, fn: Callable[[Check], dict[str, Any]]) -> bool:
+        start = time.time()
+        print(f"=== {name} (limit {limit_s:.0f}s)", flush=True)
+        try:
+            data, status, reason = fn(self), "PASS", ""
+            if data.pop("_failed", None):
+                status, reason = "FAIL", "; ".join(data.get("failures", []))
+        except Skip as e:
+            data, status, reason = {}, "SKIP", str(e)
+        except Exception as e:  # one step's failure is reported, the others still run
+            data, status, reason = {"traceback": traceback.format_exc()[-3000:]}, "FAIL", repr(e)
+        took = time.time() - start
+        if took > limit_s and status == "PASS":
+            status, reason = "FAIL", f"took {took:.0f}s, over its {limit_s:.0f}s limit"
+        self.results.append({"step": name, "status": status, "reason": reason,
+                             "seconds": round(took, 1), **data})
+        (self.out / "summary.json").write_text(json.dumps(self.results, indent=1, default=str))
+        print(f"--- {name}: {status} {reason}", flush=True)
+        return status != "FAIL"
+
+
+def _failed(data: dict[str, Any], failures: list[str]) -> dict[str, Any]:
+    return {**data, "failures": failures, "_failed": bool(failures)}
+
+
+# ----------------------------------------------------------------------------- steps
+def preflight(c: Check) -> dict[str, Any]:
+    missing = [m for m in REQUIRED if importlib.util.find_spec(m) is None]
+    if missing:
+        raise RuntimeError(f"missing modules: {', '.join(missing)} (carry them; nothing is "
+                           "installed from the network here)")
+    import torch
+    import transformers
+    import triton
+
+    data: dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__,
+                            "triton": triton.__version__, "transformers": transformers.__version__,
+                            "cuda": torch.cuda.is_available(), "dry_run": c.dry}
+    if not c.dry:
+        if not torch.cuda.is_available():
+            raise RuntimeError("no CUDA device (set GPU_CHECK_DRY=1 for a dry run)")
+        free, total = torch.cuda.mem_get_info()
+        data.update(gpu=torch.cuda.get_device_name(), capability=torch.cuda.get_device_capability(),
+                    free_gib=round(free / 2**30, 1), total_gib=round(total / 2**30, 1))
+    return data
+
+
+def kernel_tests(c: Check) -> dict[str, Any]:
+    if c.dry:
+        raise Skip("needs CUDA (CI runs these kernels under the interpreter)")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-m", "gpu",
+                           "tests/kernels", "-p", "no:cacheprovider"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=135)
+    (c.out / "kernel_tests.log").write_text(proc.stdout + proc.stderr)
+    tail = proc.stdout.strip().splitlines()[-1:] or [""]
+    return _failed({"pytest": tail[0]}, [] if proc.returncode == 0 else [tail[0]])
+
+
+def _checkpoint(c: Check) -> Path:
+    if c.dry:
+        from tests.checkpoints import make_checkpoint
+
+        return make_checkpoint(Path(tempfile.mkdtemp(dir=c.out)), dtype=_bf16())
+    import offline_throughput
+
+    return offline_throughput.checkpoint_path("0.5b")
+
+
+def _bf16() -> Any:
+    import torch
+
+    return torch.bfloat16
+
+
+def _generate(llm: Any, backend: str | None = None) -> list[Any]:
+    from engine import SamplingParams
+    from kernels import ops
+
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
+    inputs = [{"prompt_token_ids": p} for p in PROMPTS]
+    with ops.backend(backend or ops.get_backend()):
+        return [o.outputs[0] for o in llm.generate(inputs, params, use_tqdm=False)]
+
+
+def _compare(a: list[Any], b: list[Any]) -> tuple[bool, float]:
+    """Same greedy tokens, and the largest difference of the chosen tokens' logprobs."""
+    same = [x.token_ids for x in a] == [y.token_ids for y in b]
+    diff = max((abs(next(iter(la.values())) - next(iter(lb.values())))
+                for x, y in zip(a, b) for la, lb in zip(x.logprobs, y.logprobs)), default=0.0)
+    return same, diff
+
+
+def engine(c: Check) -> dict[str, Any]:
+    from engine import LLM
+    from engine.model_runner import weight_bytes
+
+    path = _checkpoint(c)
+    common = dict(dtype="bfloat16", max_model_len=2048, device=c.device)
+    if c.dry:
+        common.update(kv_cache_memory_bytes=64 << 20, dtype="float32", max_model_len=256)
+    eager = LLM(str(path), enforce_eager=True, **common)
+    ref = _generate(eager, "reference")
+    fast = _generate(eager, "auto")  # Triton on CUDA; the C kernels on a dry run
+    same, diff = _compare(ref, fast)
+    data: dict[str, Any] = {"kernels_vs_reference": {"greedy_equal": same, "max_logprob_diff": diff}}
+    failures = [] if same and diff < LOGPROB_TOL else [f"kernels vs reference: {data}"]
+    runner = eager.engine.runner
+    data["kv"] = {"weight_bytes": weight_bytes(runner.model), "num_blocks": runner.num_blocks}
+    data["hf_teacher_forced"] = _hf_teacher_forced(path, eager, c.device)
+    if data["hf_teacher_forced"]["top1_agreement"] < 0.95:
+        failures.append(f"HF top-1 agreement {data['hf_teacher_forced']['top1_agreement']}")
+    del eager
+    if not c.dry:
+        import torch
+
+        graphs = LLM(str(path), **common)
+        same_g, diff_g = _compare(ref, _generate(graphs))
+        data["graphs_vs_eager"] = {"greedy_equal": same_g, "max_logprob_diff": diff_g}
+        if not same_g or diff_g >= LOGPROB_TOL:
+            failures.append(f"graphs vs reference: {data['graphs_vs_eager']}")
+        free, total = torch.cuda.mem_get_info()
+        data["kv"]["used_fraction_after_capture"] = round(1 - free / total, 3)
+        data["kv"]["gpu_memory_utilization"] = graphs.config.cache.gpu_memory_utilization
+    return _failed(data, failures)
+
+
+def _hf_teacher_forced(path: Path, llm: Any, device: str) -> dict[str, Any]:
+    """HF on the same device over each prompt and the engine's continuation: how often its
+    top-1 next token equals the engine's greedy one, and the largest logit difference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kernels import ops
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=llm.engine.dtype).to(device).eval()
+    outs = _generate(llm, ops.get_backend())
+    agree = total = 0
+    for prompt, out in zip(PROMPTS, outs):
+        ids = torch.tensor([prompt + out.token_ids[:-1]], device=device)
+        with torch.inference_mode():
+            logits = hf(ids).logits[0, len(prompt) - 1:].float()
+        agree += int((logits.argmax(-1).cpu() == torch.tensor(out.token_ids)).sum())
+        total += len(out.token_ids)
+    del hf
+    return {"top1_agreement": round(agree / total, 3), "tokens": total}
+
+
+def nccl_graph(c: Check) -> dict[str, Any]:
+    if c.dry:
+        raise Skip("needs CUDA and NCCL")
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29512")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        x = torch.ones(1 << 20, device="cuda")
+        dist.all_reduce(x)  # NCCL's first call outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            dist.all_reduce(x)
+        x.fill_(3.0)
+        graph.replay()
+        torch.cuda.synchronize()
+        ok = bool((x == 3.0).all())  # one rank: the sum is the value itself
+    finally:
+        dist.destroy_process_group()
+    return _failed({"replayed_all_reduce_ok": ok}, [] if ok else ["replayed all_reduce wrong"])
+
+
+def _copy_gbps(device: str) -> float:
+    """Device-memory bandwidth: bytes read plus written per second by a large copy."""
+    import torch
+
+    x = torch.empty(256 << 20 if device == "cpu" else 2 << 30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    best = float("inf")
+    for _ in range(5):
+        _sync(device)
+        start = time.perf_counter()
+        y.copy_(x)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * x.numel() / best / 1e9
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _decode_ms(llm: Any, batch: int, context: int, new: int) -> float:
+    """ms per decode step at ``batch`` sequences of ``context`` tokens (the same batch with
+    one token less ``new`` more, fresh prompt ids so the prefix cache never answers)."""
+    import random
+
+    from engine import SamplingParams
+
+    rng = random.Random(batch * 7919 + context)
+    vocab = min(1000, llm.engine.vocab_size)
+
+    def run(tokens: int) -> float:
+        prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(context)]}
+                   for _ in range(batch)]
+        start = time.perf_counter()
+        llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0.0,
+                                             ignore_eos=True, detokenize=False),
+                     use_tqdm=False)
+        return time.perf_counter() - start
+
+    return (run(1 + new) - run(1)) / new * 1e3
+
+
+def performance(c: Check) -> dict[str, Any]:
+    from engine import LLM
+    from engine.model_runner import weight_bytes
+
+    path = _checkpoint(c)
+    shapes = ([(1, 64), (4, 64)] if c.dry else
+              [(b, 1024) for b in (1, 16, 64, 256)] + [(b, 8192) for b in (1, 16, 64)])
+    new = 4 if c.dry else 32
+    llm = LLM(str(path), dtype="float32" if c.dry else "bfloat16", device=c.device,
+              max_model_len=max(n for _, n in shapes) + new + 1,
+              **({"kv_cache_memory_bytes": 64 << 20} if c.dry else {}))
+    hf_cfg = llm.engine.hf
+    kv_per_token = 2 * hf_cfg.num_layers * hf_cfg.num_kv_heads * hf_cfg.head_dim * \
+        llm.engine.dtype.itemsize
+    weights, gbps = weight_bytes(llm.engine.runner.model), _copy_gbps(c.device)
+    rows = []
+    for batch, context in shapes:
+        ms = _decode_ms(llm, batch, context, new)
+        floor_ms = (weights + batch * context * kv_per_token) / (gbps * 1e9) * 1e3
+        rows.append({"batch": batch, "context": context, "ms_per_step": round(ms, 3),
+                     "hbm_floor_ms": round(floor_ms, 3), "x_floor": round(ms / floor_ms, 2)})
+        print(json.dumps(rows[-1]), flush=True)
+    data: dict[str, Any] = {"copy_gbps": round(gbps, 1), "decode": rows,
+                            "vs_hf": _vs_hf(path, llm, c)}
+    failures = []
+    if not c.dry:
+        if rows[0]["x_floor"] > 1.25:
+            failures.append(f"batch-1 decode {rows[0]['x_floor']}x the HBM floor (goal 1.25x)")
+        if data["vs_hf"]["ratio"] < 10:
+            failures.append(f"{data['vs_hf']['ratio']}x HF generate (goal 10x)")
+    return _failed(data, failures)
+
+
+def _vs_hf(path: Path, llm: Any, c: Check) -> dict[str, Any]:
+    """Output tokens/s, engine against HF ``generate`` (one static batch, no padding)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine import SamplingParams
+
+    batch, prompt, new = (2, 16, 8) if c.dry else (16, 128, 128)
+    ids = torch.randint(0, min(1000, llm.engine.vocab_size), (batch, prompt))
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": row.tolist()} for row in ids],
+                 SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    engine_s = time.perf_counter() - start
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=llm.engine.dtype).to(c.device).eval()
+    gen = ids.to(c.device)
+    with torch.inference_mode():
+        hf.generate(gen[:, :8], max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
+        _sync(c.device)
+        start = time.perf_counter()
+        hf.generate(gen, attention_mask=torch.ones_like(gen), max_new_tokens=new,
+                    min_new_tokens=new, do_sample=False, pad_token_id=0)
+        _sync(c.device)
+        hf_s = time.perf_counter() - start
+    tokens = batch * new
+    return {"engine_tok_s": round(tokens / engine_s, 1), "hf_tok_s": round(tokens / hf_s, 1),
+            "ratio": round(hf_s / engine_s, 2)}
+
+
+# time limits (s): 420 in all, under the 8 minutes gpu_check.sh gives this script
+STEPS: list[tuple[str, float, Callable[[Check], dict[str, Any]]]] = [
+    ("preflight", 20, preflight), ("kernel_tests", 140, kernel_tests), ("engine", 100, engine),
+    ("nccl_graph", 20, nccl_graph), ("performance", 140, performance)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu_check"))
+    p.add_argument("--dry", action="store_true", default=os.environ.get("GPU_CHECK_DRY") == "1",
+                   help="CPU dry run: CUDA steps SKIP, the engine step runs the tiny model")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    check = Check(out, args.dry)
+    for name, limit, fn in STEPS:
+        if not check.run(name, limit, fn) and name == "preflight":
+            break  # nothing else can run
+    print("\n=== verdict (details in summary.json)")
+    for r in check.results:
+        print(f"{r['step']:14} {r['status']:5} {r['seconds']:6.1f}s  {r['reason'][:100]}")
+    failed = [r["step"] for r in check.results if r["status"] == "FAIL"]
+    print("FAIL: " + ", ".join(failed) if failed else "PASS", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""``load_tests/gpu_check.sh`` end to end in its CPU dry run, so the one script a GPU session
+runs cannot rot: every step reports, CUDA steps SKIP with their reason, the engine step and the
+performance step run the tiny model on the CPU, the verdict is written as it goes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_dry_run(tmp_path):
+    env = {**os.environ, "GPU_CHECK_DRY": "1", "OUT": str(tmp_path),
+           "PYTHON": sys.executable}
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run(["bash", "load_tests/gpu_check.sh"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = {r["step"]: r for r in json.loads((tmp_path / "summary.json").read_text())}
+    assert {k: v["status"] for k, v in steps.items()} == {
+        "preflight": "PASS", "kernel_tests": "SKIP", "engine": "PASS", "nccl_graph": "SKIP",
+        "performance": "PASS"}
+    assert "CUDA" in steps["kernel_tests"]["reason"]
+    engine = steps["engine"]
+    assert engine["kernels_vs_reference"]["greedy_equal"]
+    assert engine["hf_teacher_forced"]["top1_agreement"] >= 0.95
+    assert engine["kv"]["num_blocks"] > 0 and engine["kv"]["weight_bytes"] > 0
+    perf = steps["performance"]
+    assert [(r["batch"], r["context"]) for r in perf["decode"]] == [(1, 64), (4, 64)]
+    assert all(r["ms_per_step"] > 0 and r["hbm_floor_ms"] > 0 for r in perf["decode"])
+    assert perf["vs_hf"]["engine_tok_s"] > 0 and perf["vs_hf"]["hf_tok_s"] > 0
+    assert proc.stdout.rstrip().splitlines()[-2] == "PASS"  # the verdict line
