@@ -15,8 +15,10 @@ import torch
 
 from kernels import activation as _act
 from kernels import cpu_kernels as _cpu
+from kernels import int8_gemm as _int8
 from kernels import kv_cache as _kv
 from kernels import paged_attention as _attn
+from kernels import quant_linear as _quant
 from kernels import rms_norm as _norm
 from kernels import rotary as _rope
 from kernels._triton import HAS_TRITON
@@ -87,6 +89,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _act.silu_and_mul_ref(x)
 
 
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """Weight-only int8: x [..., K] @ (q [N, K] * scale [N])^T (+ bias), in x's dtype. (On the
+    CPU the layers run ``quant_linear.int8_linear`` on prepacked weights instead.)"""
+    if _use_triton(x):
+        return _int8.int8_linear_triton(x, q, scale, bias)
+    return _quant.int8_linear_ref(x, q, scale, bias)
+
+
 def rotary_embedding(
     positions: torch.Tensor,
     query: torch.Tensor,
@@ -151,6 +162,7 @@ __all__ = [
     "backend",
     "fused_add_rms_norm",
     "get_backend",
+    "int8_linear",
     "paged_attention",
     "rms_norm",
     "rotary_embedding",

@@ -16,7 +16,9 @@ FAIL:
 3. ``nccl_graph``: a one-rank NCCL group's ``all_reduce`` captured in a CUDA graph, replayed.
 4. ``performance``: decode ms per step with CUDA graphs at batch 1-256 and contexts 1k and 8k,
    as a fraction of the HBM floor (weights + KV bytes read per step at the measured copy
-   bandwidth); tokens/s against Hugging Face ``generate`` on the same workload. Goals, reported
+   bandwidth); tokens/s against Hugging Face ``generate`` on the same workload; decode with
+   ``quantization=int8`` (the Triton W8A16 matmul) at the first two shapes against the plain
+   dtype. Goals, reported
    as checks: batch-1 decode within 1.25x of the floor, 10x HF or more. (Paged attention
    against copy bandwidth: ``load_tests/kernel_bench.py``, run by ``gpu_check.sh``.)
 
@@ -299,6 +301,10 @@ def performance(c: Check) -> dict[str, Any]:
         print(json.dumps(rows[-1]), flush=True)
     data: dict[str, Any] = {"copy_gbps": round(gbps, 1), "decode": rows,
                             "vs_hf": _vs_hf(path, llm, c)}
+    plain = {"dtype": str(llm.engine.dtype).split(".")[1],
+             "max_model_len": llm.engine.max_model_len}
+    del llm  # its KV cache holds the memory the int8 engine needs
+    data["int8_decode"] = _int8_rows(path, plain, rows, shapes[:2], new, c)
     failures = []
     if not c.dry:
         if rows[0]["x_floor"] > 1.25:
@@ -306,6 +312,31 @@ def performance(c: Check) -> dict[str, Any]:
         if data["vs_hf"]["ratio"] < 10:
             failures.append(f"{data['vs_hf']['ratio']}x HF generate (goal 10x)")
     return _failed(data, failures)
+
+
+def _int8_rows(path: Path, plain: dict[str, Any], rows: list[dict[str, Any]],
+               shapes: list[tuple[int, int]], new: int, c: Check) -> list[dict[str, Any]]:
+    """``quantization=int8`` (the Triton W8A16 matmul on CUDA) at the first shapes, against the
+    plain dtype's rows (``plain``: that engine's dtype and max_model_len)."""
+    import gc
+
+    import torch
+
+    from engine import LLM
+
+    kwargs = dict(plain, device=c.device, quantization="int8",
+                  **({"kv_cache_memory_bytes": 64 << 20} if c.dry else {}))
+    gc.collect()
+    if c.device == "cuda":
+        torch.cuda.empty_cache()
+    int8 = LLM(str(path), **kwargs)
+    out = []
+    for (batch, context), plain in zip(shapes, rows):
+        ms = _decode_ms(int8, batch, context, new)
+        out.append({"batch": batch, "context": context, "ms_per_step": round(ms, 3),
+                    "speedup_vs_plain": round(plain["ms_per_step"] / ms, 2)})
+        print(json.dumps({"int8": out[-1]}), flush=True)
+    return out
 
 
 def _vs_hf(path: Path, llm: Any, c: Check) -> dict[str, Any]:

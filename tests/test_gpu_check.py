@@ -33,4 +33,6 @@ def test_gpu_check_dry_run(tmp_path):
     assert [(r["batch"], r["context"]) for r in perf["decode"]] == [(1, 64), (4, 64)]
     assert all(r["ms_per_step"] > 0 and r["hbm_floor_ms"] > 0 for r in perf["decode"])
     assert perf["vs_hf"]["engine_tok_s"] > 0 and perf["vs_hf"]["hf_tok_s"] > 0
+    assert [r["batch"] for r in perf["int8_decode"]] == [1, 4]
+    assert all(r["speedup_vs_plain"] > 0 for r in perf["int8_decode"])
     assert proc.stdout.rstrip().splitlines()[-2] == "PASS"  # the verdict line

@@ -13,7 +13,7 @@ from torch import nn
 
 from engine.distributed import all_reduce, divide, gather_last_dim, tp_rank, tp_size
 from engine.loader import Loaded, ShardId, as_tensor, set_weight_loader, shard
-from kernels import cpu_gemm, quant_linear
+from kernels import cpu_gemm, ops, quant_linear
 from kernels.quant_linear import Int8Packed
 
 
@@ -84,8 +84,8 @@ class ParallelLMHead(_VocabParallel):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         if self.int8 is not None:
             logits = quant_linear.int8_linear(hidden, self.int8, None)
-        elif self.weight_scale is not None:
-            logits = quant_linear.int8_linear_ref(hidden, self.weight, self.weight_scale, None)
+        elif self.weight_scale is not None:  # Triton on CUDA, else the reference
+            logits = ops.int8_linear(hidden, self.weight, self.weight_scale, None)
         elif self.packed is not None:
             logits = cpu_gemm.packed_linear(hidden, self.packed, None)
         else:

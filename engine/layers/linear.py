@@ -16,7 +16,7 @@ from torch import nn
 
 from engine.distributed import all_reduce, divide, tp_rank, tp_size
 from engine.loader import Loaded, ShardId, as_tensor, set_weight_loader, shard
-from kernels import cpu_gemm, quant_linear
+from kernels import cpu_gemm, ops, quant_linear
 from kernels.quant_linear import Int8Packed
 
 QUANTIZATION_METHODS = ("int8",)
@@ -122,8 +122,8 @@ class LinearBase(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.int8 is not None:
             return quant_linear.int8_linear(x, self.int8, bias)
-        if self.weight_scale is not None:
-            return quant_linear.int8_linear_ref(x, self.weight, self.weight_scale, bias)
+        if self.weight_scale is not None:  # Triton on CUDA, else the reference
+            return ops.int8_linear(x, self.weight, self.weight_scale, bias)
         if self.packed is not None:
             return cpu_gemm.packed_linear(x, self.packed, bias)
         return F.linear(x, self.weight, bias)

@@ -14,7 +14,9 @@ float16 and float32, head sizes 64, 80, 96, 128 and 256, GQA groups 1-8, the sha
 Llama-3-8B (32 query heads, 8 kv heads, head size 128) and Qwen2.5-0.5B (14, 2, 64), and
 Llama-3-8B's decode at contexts of 1k, 8k and 128k tokens (which must launch the same variants:
 lengths and the split count are runtime values); the KV store, RMSNorm (with and without the
-residual), rotary and SiLU-and-multiply at those models' sizes. Run in a process without ``TRITON_INTERPRET`` (the interpreter has no compiler).
+residual), rotary, SiLU-and-multiply and the weight-only int8 matmul (decode and prefill rows,
+with and without bias) at those models' sizes. Run in a process without ``TRITON_INTERPRET``
+(the interpreter has no compiler).
 """
 
 from __future__ import annotations
@@ -126,6 +128,12 @@ def _small_ops(dtype: torch.dtype, hq: int, hk: int, d: int, hidden: int, inter:
     rotary_embedding_triton(torch.arange(t), qkv[:, : hq * d], qkv[:, hq * d : (hq + hk) * d],
                             torch.zeros(64, d, dtype=torch.float32), d)
     silu_and_mul_triton(torch.zeros(t, 2 * inter, dtype=dtype))
+    from kernels.int8_gemm import int8_linear_triton
+
+    q, scale = torch.zeros(inter, hidden, dtype=torch.int8), torch.ones(inter)
+    for rows in (t, 100):  # a decode step's rows, a prefill chunk's
+        int8_linear_triton(torch.zeros(rows, hidden, dtype=dtype), q, scale, None)
+    int8_linear_triton(x, q, scale, torch.zeros(inter, dtype=dtype))  # qkv bias (Qwen2)
 
 
 def scenarios() -> Iterator[tuple[str, Callable[[], None]]]:
