@@ -47,8 +47,8 @@ class ModelConfig(_Strict):
         "the checkpoint: 'int8' keeps the linear layers', the embedding's and the LM head's "
         "weights as int8 values with one scale per output channel (row), half the bytes of "
         "bfloat16. On the CPU the products run in int8 with activations quantized per token on "
-        "the fly; elsewhere the weights are converted to dtype in each product. None: dtype "
-        "throughout.",
+        "the fly; on CUDA a Triton kernel converts the int8 weights to dtype in registers. "
+        "None: dtype throughout.",
     )
     seed: int = Field(0, description="Seed for the default model and for unseeded sampling.")
 
