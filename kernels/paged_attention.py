@@ -161,10 +161,8 @@ def _paged_attention_kernel(
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
-    if DECODE:  # no search: one query block per sequence
-        seq = q_block
-    else:
-        seq = find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
+    # decode-only: one query block per sequence, no search
+    seq = q_block if DECODE else find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     local = q_block - (q_start // BLOCK_Q + seq)
@@ -273,8 +271,7 @@ def _launch_mixed(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                   query_start_loc: torch.Tensor, max_query_len: int,
                   common: TileLaunchArgs) -> None:
-    """The one-pass kernel over a mixed batch: a program per block of query rows and kv head
-    (a decode-only batch: a program per sequence and kv head, without the search)."""
+    """One pass over a mixed batch: a program per block of query rows (decode: per sequence)."""
     tokens, num_q_heads, head_size = query.shape
     num_seqs, num_kv_heads = block_tables.shape[0], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
