@@ -157,11 +157,9 @@ def _paged_attention_kernel(
     D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     FP32_DOT: tl.constexpr,
-    DECODE: tl.constexpr,  # every sequence has exactly one query token: program i is sequence i
+    DECODE: tl.constexpr,  # one query token per sequence: program i is sequence i, no search
 ):
-    q_block = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    # decode-only: one query block per sequence, no search
+    q_block, kv_head = tl.program_id(0), tl.program_id(1)
     seq = q_block if DECODE else find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
