@@ -10,8 +10,8 @@ in Serve's own ``ray_serve_*`` metrics), besides the labels Ray adds (``WorkerId
 The engine stays free of Ray: it puts per-request timings on its final ``RequestOutput.metrics``
 and keeps per-step records and counters (``AsyncEngine.pop_step_records``, ``get_stats``). A
 Worker reads them here: request metrics as each request ends (``WorkerMetrics.track``), gauges,
-counters and step histograms once a second (``FLUSH_INTERVAL_S``). Nothing here runs per token
-except appending one float per streamed output for the inter-token latency.
+counters and step histograms once a second (``FLUSH_INTERVAL_S``), ``model_info`` once. Nothing
+runs per token but one float appended per streamed output for the inter-token latency.
 
 ``deploy/grafana/README.md`` lists every exported series.
 """
@@ -69,8 +69,7 @@ _ENGINE_COUNTERS: dict[CounterStat, tuple[str, str]] = {
     "prefix_cache_queries": ("prefix_cache_queries_total",
                              "Prompt tokens looked up in the prefix cache at admission."),
     "prefix_cache_hits": ("prefix_cache_hits_total", "Prompt tokens found in the prefix cache."),
-    "num_preemptions": ("num_preemptions_total",
-                        "Sequences preempted (blocks freed, recomputed)."),
+    "num_preemptions": ("num_preemptions_total", "Sequences preempted (blocks freed, recomputed)."),
 }
 
 _defined: dict[str, Any] = {}  # one Ray metric object per name and process
@@ -111,9 +110,13 @@ class EngineStatsSource(Protocol):
 class WorkerMetrics:
     """One Worker replica's engine metrics; ``start()`` begins the once-a-second flush."""
 
-    def __init__(self, engine: EngineStatsSource, model_name: str, replica: str) -> None:
+    def __init__(self, engine: EngineStatsSource, model_name: str, replica: str,
+                 precision: dict[str, str] | None = None) -> None:
         self._engine = engine
         self._tags = {"model_name": model_name, "replica": replica}
+        if precision is not None:  # {"dtype": ..., "quantization": ...}: model_info's labels
+            _metric(Gauge, "model_info", "1; its labels say the dtype and quantization in use.",
+                    extra=("dtype", "quantization")).set(1.0, tags={**self._tags, **precision})
         self._gauges = {stat: _metric(Gauge, name, description)
                         for stat, (name, description) in _ENGINE_GAUGES.items()}
         self._counters = {stat: _metric(Counter, name, description)
@@ -147,9 +150,10 @@ class WorkerMetrics:
         self._task: asyncio.Task[None] | None = None
 
     @classmethod
-    def for_replica(cls, engine: EngineStatsSource, cfg: Any, replica: str) -> WorkerMetrics:
+    def for_replica(cls, engine: EngineStatsSource, cfg: Any, replica: str,
+                    precision: dict[str, str] | None = None) -> WorkerMetrics:
         """Metrics of Worker replica ``replica``'s engine, flushed from its event loop."""
-        metrics = cls(engine, served_model_name(cfg), replica)
+        metrics = cls(engine, served_model_name(cfg), replica, precision)
         metrics.start()
         return metrics
 
@@ -157,8 +161,7 @@ class WorkerMetrics:
         self._task = asyncio.get_running_loop().create_task(self._flush_loop())
 
     async def track(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
-        """Pass a request's outputs through, timing them; a cancelled stream counts as an
-        abort."""
+        """Pass a request's outputs through, timing them; a cancelled stream is an abort."""
         itl = self._itl_pending
         last = 0.0
         try:
@@ -200,9 +203,8 @@ class WorkerMetrics:
         for duration, tokens in self._engine.pop_step_records():
             self._step_time.observe(duration)
             self._step_tokens.observe(tokens)
-        pending = self._itl_pending  # the same list the running requests append to
-        values = pending[:]
-        pending.clear()
+        values = self._itl_pending[:]  # the running requests append to this same list
+        self._itl_pending.clear()
         for value in values:
             self._itl.observe(value)
 

@@ -80,7 +80,9 @@ class Worker:
         defaults to Serve's id of this replica (give it outside Serve)."""
         self.engine = (engine_factory or build_engine)(config)
         self.replica_id = replica_id or serve.get_replica_context().replica_id.unique_id
-        self.metrics = WorkerMetrics.for_replica(self.engine, config, self.replica_id)
+        self.metrics = WorkerMetrics.for_replica(self.engine, config, self.replica_id, {
+            "dtype": str(self.engine.dtype).removeprefix("torch."),
+            "quantization": self.engine.quantization or "none"})
         self._pumps: dict[str, asyncio.Task[None]] = {}  # request id -> task streaming it
         self._streams: dict[str, _Stream] = {}  # stream_key -> that Router's open stream
         self._received: dict[str, int] = {}  # stream_key -> requests received (routing stats)
