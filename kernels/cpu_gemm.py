@@ -43,7 +43,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def take_packed(param: torch.nn.Parameter, keep_plain: bool = False) -> torch.Tensor | None:
+def take_packed(param: torch.Tensor, keep_plain: bool = False) -> torch.Tensor | None:
     """The parameter's weight prepacked when this CPU supports it (else None); unless
     ``keep_plain`` (a weight shared with the embedding), the plain copy is released."""
     if not packing_supported(param):

@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import all_reduce, divide, gather_last_dim, tp_rank, tp_size
+from engine.layers import weights
 from engine.loader import Loaded, ShardId, as_tensor, set_weight_loader, shard
-from kernels import cpu_gemm, ops, quant_linear
+from kernels import quant_linear
 from kernels.quant_linear import Int8Packed
 
 
@@ -73,21 +74,8 @@ class ParallelLMHead(_VocabParallel):
 
     def pack_weights(self, tied: bool) -> None:
         """After loading: prepack for oneDNN on the CPU; a tied weight stays for the embedding."""
-        if self.weight_scale is not None:
-            if self.int8 is None and quant_linear.cpu_supported(self.weight):
-                self.int8 = quant_linear.pack_int8(self.weight, self.weight_scale)
-                if not tied:
-                    self.weight.data = self.weight.data.new_empty(0)
-        elif self.packed is None:
-            self.packed = cpu_gemm.take_packed(self.weight, keep_plain=tied)
+        weights.prepack(self, keep_plain=tied)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        if self.int8 is not None:
-            logits = quant_linear.int8_linear(hidden, self.int8, None)
-        elif self.weight_scale is not None:  # Triton on CUDA, else the reference
-            logits = ops.int8_linear(hidden, self.weight, self.weight_scale, None)
-        elif self.packed is not None:
-            logits = cpu_gemm.packed_linear(hidden, self.packed, None)
-        else:
-            logits = F.linear(hidden, self.weight)
+        logits = weights.matmul(self, hidden, None)
         return gather_last_dim(logits)

@@ -11,12 +11,12 @@ reads in this rank's shard only.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import all_reduce, divide, tp_rank, tp_size
+from engine.layers import weights
 from engine.loader import Loaded, ShardId, as_tensor, set_weight_loader, shard
-from kernels import cpu_gemm, ops, quant_linear
+from kernels import quant_linear
 from kernels.quant_linear import Int8Packed
 
 QUANTIZATION_METHODS = ("int8",)
@@ -111,22 +111,10 @@ class LinearBase(nn.Module):
 
     def pack_weights(self) -> None:
         """After loading: on CPUs that support it, keep the weight in oneDNN's layout only."""
-        if self.quantization is not None:
-            if self.int8 is None and quant_linear.cpu_supported(self.weight):
-                assert self.weight_scale is not None
-                self.int8 = quant_linear.pack_int8(self.weight, self.weight_scale)
-                self.weight.data = self.weight.data.new_empty(0)
-        elif self.packed is None:
-            self.packed = cpu_gemm.take_packed(self.weight)
+        weights.prepack(self)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.int8 is not None:
-            return quant_linear.int8_linear(x, self.int8, bias)
-        if self.weight_scale is not None:  # Triton on CUDA, else the reference
-            return ops.int8_linear(x, self.weight, self.weight_scale, bias)
-        if self.packed is not None:
-            return cpu_gemm.packed_linear(x, self.packed, bias)
-        return F.linear(x, self.weight, bias)
+        return weights.matmul(self, x, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: ShardId = None) -> None:
         dim = self.shard_dim
