@@ -256,25 +256,12 @@ def _sync(device: str) -> None:
 
 
 def _decode_ms(llm: Any, batch: int, context: int, new: int) -> float:
-    """ms per decode step at ``batch`` sequences of ``context`` tokens (the same batch with
-    one token less ``new`` more, fresh prompt ids so the prefix cache never answers)."""
-    import random
+    """ms per decode step at ``batch`` sequences of ``context`` tokens (quant_bench's method,
+    one run each)."""
+    from quant_bench import decode_tok_s
 
-    from engine import SamplingParams
-
-    rng = random.Random(batch * 7919 + context)
-    vocab = min(1000, llm.engine.vocab_size)
-
-    def run(tokens: int) -> float:
-        prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(context)]}
-                   for _ in range(batch)]
-        start = time.perf_counter()
-        llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0.0,
-                                             ignore_eos=True, detokenize=False),
-                     use_tqdm=False)
-        return time.perf_counter() - start
-
-    return (run(1 + new) - run(1)) / new * 1e3
+    return batch / decode_tok_s(llm, batch, new, seed=batch * 7919 + context, context=context,
+                                repeats=1) * 1e3
 
 
 def performance(c: Check) -> dict[str, Any]:

@@ -36,14 +36,18 @@ MODES = (None, "int8")  # quantization values the engine accepts (None: the plai
 DECODE_BATCHES = (1, 8, 64)
 
 
-def decode_tok_s(llm, batch: int, new_tokens: int, seed: int) -> float:
-    """Tokens/s of decode steps alone at ``batch`` sequences (see the module's docstring)."""
+def decode_tok_s(llm, batch: int, new_tokens: int, seed: int, context: int = 16,
+                 repeats: int = 2) -> float:
+    """Tokens/s of decode steps alone at ``batch`` sequences of ``context`` tokens: the same
+    batch generating ``1 + new_tokens`` tokens less generating 1 (the prefill and first token),
+    best of ``repeats``; fresh prompt ids every run, so the prefix cache never answers."""
     from engine import SamplingParams
 
     rng = random.Random(seed)
+    vocab = min(1000, llm.engine.vocab_size)
 
     def run(max_tokens: int) -> float:
-        prompts = [{"prompt_token_ids": [rng.randrange(1000) for _ in range(16)]}
+        prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(context)]}
                    for _ in range(batch)]
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
                                 detokenize=False)
@@ -51,8 +55,8 @@ def decode_tok_s(llm, batch: int, new_tokens: int, seed: int) -> float:
         llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - start
 
-    first = min(run(1) for _ in range(2))
-    full = min(run(1 + new_tokens) for _ in range(2))
+    first = min(run(1) for _ in range(repeats))
+    full = min(run(1 + new_tokens) for _ in range(repeats))
     return batch * new_tokens / max(full - first, 1e-9)
 
 
