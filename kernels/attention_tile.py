@@ -50,7 +50,7 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head_offset, pos
 
 @triton.jit
 def attend_range(
-    q,  # [BLOCK_M, D_PAD] query rows (fp32 when FP32_DOT, else the cache dtype)
+    q,  # [BLOCK_M, D_PAD] query rows (fp32 when FP32_DOT, else the query dtype)
     q_pos,  # [BLOCK_M] int position of each query row; key positions <= q_pos are visible
     row_valid,  # [BLOCK_M] bool, rows that are real (query token, head) pairs
     k_cache_ptr,  # [num_blocks, block_size, Hk, D] strides (stride_cb, stride_co, stride_ch, 1)
@@ -82,7 +82,7 @@ def attend_range(
         if FP32_DOT:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
-            s = tl.dot(q, tl.trans(k))
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))  # an fp8 cache is upcast to q's type
         visible = row_valid[:, None] & in_range[None, :] & (pos[None, :] <= q_pos[:, None])
         s = tl.where(visible, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -93,7 +93,7 @@ def attend_range(
         if FP32_DOT:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
-            pv = tl.dot(p.to(v.dtype), v)
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     return acc, m_i, l_i

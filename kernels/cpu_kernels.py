@@ -45,16 +45,25 @@ FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=fast", "-fno-math
 MAX_HEAD = 256  # the attention kernel keeps one key row of up to 16 x 16 floats in registers
 MAX_HIDDEN = 65536
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_FP8 = 2  # the caches' fp8 E4M3 (cpu_common.h)
+
+
+def _kv_dtype(query_dtype: torch.dtype, cache: torch.Tensor) -> int | None:
+    """The C type code of a cache read with ``query_dtype`` activations, None if unsupported."""
+    if cache.dtype == torch.float8_e4m3fn:
+        return _FP8
+    return _DTYPES[query_dtype] if cache.dtype == query_dtype else None
 
 _c_int, _c_i64, _c_f, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
     "paged_attention_cpu": [_ptr] * 7 + [_c_i64] + [_c_int] * 6 + [_c_i64, _c_i64, _c_f,
-                                                                    _c_int, _c_int],
+                                                                    _c_int, _c_int, _c_int],
     "rms_norm_cpu": [_ptr] * 4 + [_c_i64, _c_int, _c_i64, _c_i64, _c_i64, _c_f, _c_int, _c_int],
     "silu_and_mul_cpu": [_ptr, _ptr, _c_i64, _c_int, _c_i64, _c_i64, _c_int, _c_int],
     "rotary_cpu": [_ptr] * 4 + [_c_i64, _c_int, _c_int, _c_int, _c_i64, _c_i64, _c_i64, _c_int,
                                 _c_int],
-    "store_kv_cpu": [_ptr] * 5 + [_c_i64, _c_int, _c_int] + [_c_i64] * 4 + [_c_int],
+    "store_kv_cpu": [_ptr] * 5 + [_c_i64, _c_int, _c_int] + [_c_i64] * 4 + [_c_int, _c_int,
+                                                                             _c_f, _c_f],
     "quantize_rows_u8_cpu": [_ptr] * 3 + [_c_i64, _c_i64, _c_int, _c_i64, _c_int, _c_int],
 }
 
@@ -163,8 +172,8 @@ def supports_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_q_heads, head_size = query.shape[1], query.shape[2]
     return (
         query.device.type == "cpu"
-        and query.dtype in _DTYPES and k_cache.dtype == query.dtype
-        and v_cache.dtype == query.dtype
+        and query.dtype in _DTYPES and _kv_dtype(query.dtype, k_cache) is not None
+        and v_cache.dtype == k_cache.dtype
         and query.stride(2) == 1 and query.stride(1) == head_size
         and k_cache.is_contiguous() and v_cache.is_contiguous()
         and head_size <= MAX_HEAD and num_q_heads % k_cache.shape[2] == 0
@@ -185,7 +194,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         block_tables.data_ptr(), seq_lens.data_ptr(), query_start_loc.data_ptr(),
         num_tokens, block_tables.shape[0], num_q_heads, k_cache.shape[2], head_size,
         k_cache.shape[1], block_tables.shape[1], query.stride(0), out.stride(0),
-        scale, _DTYPES[query.dtype], _threads()), "paged_attention_cpu")
+        scale, _DTYPES[query.dtype], _kv_dtype(query.dtype, k_cache), _threads()),
+        "paged_attention_cpu")
     return out
 
 
@@ -247,7 +257,9 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
 def supports_store(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
     return (key.device.type == "cpu" and key.dim() == 3 and value.shape == key.shape
-            and key.dtype == value.dtype == k_cache.dtype == v_cache.dtype
+            and key.dtype == value.dtype and key.dtype in _DTYPES
+            and k_cache.dtype == v_cache.dtype and _kv_dtype(key.dtype, k_cache) is not None
+            and key.shape[2] <= MAX_HEAD
             and key.stride(2) == 1 and value.stride(2) == 1
             and k_cache.is_contiguous() and v_cache.is_contiguous()
             and k_cache.shape == v_cache.shape and k_cache.shape[2:] == key.shape[1:]
@@ -256,11 +268,14 @@ def supports_store(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
 
 
 def store_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                   v_scale: float = 1.0) -> None:
+    """The contract of ``kv_cache.store_kv_cache_ref`` (fp8 caches bit-identical to it)."""
     _check(_library().store_kv_cpu(
         key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         slot_mapping.data_ptr(), key.shape[0], key.shape[1], key.shape[2], key.stride(0),
-        key.stride(1), value.stride(0), value.stride(1), key.element_size()), "store_kv_cpu")
+        key.stride(1), value.stride(0), value.stride(1), _DTYPES[key.dtype],
+        _kv_dtype(key.dtype, k_cache), 1.0 / k_scale, 1.0 / v_scale), "store_kv_cpu")
 
 
 def supports_quantize_rows(x: torch.Tensor) -> bool:

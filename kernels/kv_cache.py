@@ -1,6 +1,9 @@
 """Store the new tokens' keys and values into the paged KV cache through the slot mapping.
 
-slot = block_id * block_size + offset; slot -1 marks a padding token that is skipped.
+slot = block_id * block_size + offset; slot -1 marks a padding token that is skipped. The cache
+holds the keys' own dtype or fp8 E4M3 (``FP8_KV_DTYPE``): then each value is multiplied by the
+inverse of its per-tensor scale (``k_scale``/``v_scale``, 1.0 unless a checkpoint gives one),
+rounded to nearest even and saturated at +-448, as torch converts; attention multiplies back.
 """
 
 from __future__ import annotations
@@ -9,6 +12,15 @@ import torch
 
 from kernels._triton import next_power_of_2, tl, triton
 
+FP8_KV_DTYPE = torch.float8_e4m3fn
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """x as the cache stores it: fp8 after multiplying by the float32 inverse of ``scale``."""
+    if dtype == FP8_KV_DTYPE:
+        return (x.float() * (1.0 / scale)).to(dtype)
+    return x.to(dtype)
+
 
 def store_kv_cache_ref(
     key: torch.Tensor,
@@ -16,14 +28,33 @@ def store_kv_cache_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """key/value [T, Hk, D] -> k_cache/v_cache [num_blocks, block_size, Hk, D] (views allowed)."""
     block_size = k_cache.shape[1]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
+    k_cache[blocks, offsets] = to_cache_dtype(key[keep], k_cache.dtype, k_scale)
+    v_cache[blocks, offsets] = to_cache_dtype(value[keep], v_cache.dtype, v_scale)
+
+
+@triton.jit
+def round_to_fp8(x):
+    """float32 x rounded to the nearest fp8 E4M3 value (ties to even, saturated at +-448, NaN
+    kept), still float32, so the conversion that follows is exact. Rounding here rather than
+    in the conversion gives the same bits everywhere: the interpreter's own rounding loses the
+    carry into the exponent (1.97 becomes 1.0) and the subnormals."""
+    bits = x.to(tl.uint32, bitcast=True)
+    a = tl.minimum(tl.abs(x), 448.0)
+    u = a.to(tl.uint32, bitcast=True)
+    u = (u + 0x7FFFF + ((u >> 20) & 1)) & 0xFFF00000  # 3 mantissa bits, ties to even
+    normal = u.to(tl.float32, bitcast=True)
+    sub = (a + 16384.0) - 16384.0  # below 2^-6: multiples of 2^-9 (the ulp of 2^14)
+    r = tl.where(a < 0.015625, sub, normal)
+    r = (r.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, r)
 
 
 @triton.jit
@@ -33,6 +64,7 @@ def _store_kv_kernel(
     k_cache_ptr,  # [num_blocks, block_size, Hk, D] strides (stride_cb, stride_co, stride_ch, 1)
     v_cache_ptr,  # [num_blocks, block_size, Hk, D] same strides as k_cache
     slot_mapping_ptr,  # [T] int64, -1 = padding token (skipped)
+    k_inv_scale, v_inv_scale,  # fp8 caches: multipliers before the conversion
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_co, stride_ch,
     num_kv_heads,
@@ -40,6 +72,7 @@ def _store_kv_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     BLOCK_H: tl.constexpr,  # next power of two >= Hk
     BLOCK_D: tl.constexpr,  # next power of two >= D
+    FP8: tl.constexpr,  # the caches hold fp8 E4M3: scale, saturate at +-448, round to nearest
 ):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
@@ -53,6 +86,9 @@ def _store_kv_kernel(
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co + heads * stride_ch + dims
     k = tl.load(key_ptr + tok * stride_kt + heads * stride_kh + dims, mask=mask)
     v = tl.load(value_ptr + tok * stride_vt + heads * stride_vh + dims, mask=mask)
+    if FP8:
+        k = round_to_fp8(k.to(tl.float32) * k_inv_scale)
+        v = round_to_fp8(v.to(tl.float32) * v_inv_scale)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -68,6 +104,8 @@ def _check_store_args(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
         raise ValueError("v_cache must have k_cache's shape and strides")
     if v_cache.dtype != k_cache.dtype:
         raise ValueError(f"v_cache dtype {v_cache.dtype} must equal k_cache dtype {k_cache.dtype}")
+    if k_cache.dtype not in (key.dtype, FP8_KV_DTYPE):
+        raise ValueError(f"cache dtype {k_cache.dtype} must be the keys' {key.dtype} or fp8 e4m3")
     block_size = k_cache.shape[1]
     if block_size <= 0 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
@@ -86,6 +124,8 @@ def store_kv_cache_triton(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Triton KV store: key/value [T, Hk, D] -> caches at slot_mapping [T]; -1 is skipped."""
     _check_store_args(key, value, k_cache, v_cache, slot_mapping)
@@ -93,10 +133,10 @@ def store_kv_cache_triton(
     if tokens == 0:
         return
     _store_kv_kernel[(tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
+        key, value, k_cache, v_cache, slot_mapping, 1.0 / k_scale, 1.0 / v_scale,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         num_kv_heads, head_size,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_H=next_power_of_2(num_kv_heads),
-        BLOCK_D=next_power_of_2(head_size), num_warps=4,
+        BLOCK_D=next_power_of_2(head_size), FP8=k_cache.dtype == FP8_KV_DTYPE, num_warps=4,
     )

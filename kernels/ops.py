@@ -120,14 +120,18 @@ def store_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Write key/value [T, Hk, D] into the paged caches at slot_mapping [T]; slot -1 is skipped."""
+    """Write key/value [T, Hk, D] into the paged caches at slot_mapping [T]; slot -1 is skipped.
+    Caches of fp8 E4M3 store key / k_scale and value / v_scale (``kv_cache.py``)."""
+    args = (key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if _use_triton(key):
-        _kv.store_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping)
+        _kv.store_kv_cache_triton(*args)
     elif _use_cpu(key) and _cpu.supports_store(key, value, k_cache, v_cache, slot_mapping):
-        _cpu.store_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+        _cpu.store_kv_cache(*args)
     else:
-        _kv.store_kv_cache_ref(key, value, k_cache, v_cache, slot_mapping)
+        _kv.store_kv_cache_ref(*args)
 
 
 def paged_attention(
@@ -141,7 +145,9 @@ def paged_attention(
     max_query_len: int,
     max_seq_len: int,
 ) -> torch.Tensor:
-    """Causal GQA attention of query [T, Hq, D] over the paged cache -> [T, Hq, D]."""
+    """Causal GQA attention of query [T, Hq, D] over the paged cache -> [T, Hq, D]. The caches
+    hold query's dtype or fp8 E4M3, read upcast (their scales are the caller's: the key scale
+    folded into ``scale``, the value scale applied to the output)."""
     fn: Callable[..., torch.Tensor]
     if _use_triton(query):
         fn = _attn.paged_attention_triton

@@ -206,8 +206,8 @@ def _check_attention_args(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         raise ValueError(f"head_size must be <= 256, got {head_size}")
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
         raise ValueError("v_cache must have k_cache's shape and strides")
-    if k_cache.dtype != query.dtype or v_cache.dtype != query.dtype:
-        raise ValueError(f"cache dtype {k_cache.dtype}/{v_cache.dtype} must equal query dtype {query.dtype}")
+    if k_cache.dtype not in (query.dtype, torch.float8_e4m3fn) or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"cache dtype {k_cache.dtype}/{v_cache.dtype} must be query's {query.dtype} or fp8 e4m3")
     for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")

@@ -1,4 +1,6 @@
-/* Helpers shared by the CPU kernels: bfloat16 conversions, row loads/stores, a vector exp. */
+/* Helpers shared by the CPU kernels: bfloat16 and fp8 conversions, row loads/stores, a vector
+ * exp. Element types: 0 = float32, 1 = bfloat16, 2 = fp8 E4M3 (the "fn" variant: no
+ * infinities, 0x7f/0xff NaN, largest finite 448; loads only, for the KV cache). */
 #ifndef PAGEDSERVE_CPU_COMMON_H
 #define PAGEDSERVE_CPU_COMMON_H
 
@@ -24,6 +26,43 @@ static inline uint16_t f32_to_bf16(float f) {
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN */
     u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
     return (uint16_t)(u >> 16);
+}
+
+static inline size_t dt_size(int dtype) { return dtype == 0 ? 4 : dtype == 1 ? 2 : 1; }
+
+/* fp8 E4M3 -> float: normal numbers rebias the exponent (7 -> 127) in the integer bits,
+ * subnormals (exponent field 0) are m * 2^-9; no float subnormal is formed, so the result does
+ * not depend on denormals-are-zero. */
+static inline float fp8_to_f32(uint8_t x) {
+    const uint32_t mag = x & 0x7fu;
+    float f;
+    if (mag == 0x7fu) {
+        f = NAN;
+    } else if (mag >= 8u) {
+        const uint32_t u = (mag << 20) + (120u << 23);
+        memcpy(&f, &u, sizeof f);
+    } else {
+        f = (float)mag * 0x1p-9f;
+    }
+    return (x & 0x80u) ? -f : f;
+}
+
+/* float -> fp8 E4M3, rounding to nearest even and saturating at +-448 (as torch's conversion
+ * does: infinities too); NaN stays NaN. */
+static inline uint8_t f32_to_fp8(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+    u &= 0x7fffffffu;
+    if (u > 0x7f800000u) return sign | 0x7fu;
+    if (u >= 0x43e00000u) return sign | 0x7eu; /* >= 448 */
+    if (u < 0x3c800000u) { /* below 2^-6: subnormal steps of 2^-9 (8 steps round up to 2^-6) */
+        float a;
+        memcpy(&a, &u, sizeof a);
+        return sign | (uint8_t)lrintf(a * 512.0f);
+    }
+    u += 0x7ffffu + ((u >> 20) & 1u); /* round the mantissa to 3 bits, ties to even */
+    return sign | (uint8_t)(((u >> 20) - (120u << 3)) & 0x7fu);
 }
 
 #ifdef __AVX512F__
@@ -54,12 +93,26 @@ static inline void store16_bf16(void *p, __m512 x) {
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
 }
 
-/* 16 elements of `dtype` (0 float32, 1 bfloat16) at p as floats. */
+/* 16 fp8 E4M3 values at p as floats (fp8_to_f32 lane-wise). */
+static inline __m512 load16_fp8(const void *p) {
+    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m512i mag = _mm512_and_si512(x, _mm512_set1_epi32(0x7f));
+    const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23));
+    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(0x1p-9f));
+    __m512 f = _mm512_mask_mov_ps(sub, _mm512_cmpge_epi32_mask(mag, _mm512_set1_epi32(8)),
+                                  _mm512_castsi512_ps(normal));
+    f = _mm512_mask_mov_ps(f, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7f)), _mm512_set1_ps(NAN));
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24);
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign));
+}
+
+/* 16 elements of `dtype` at p as floats. */
 static inline __m512 load16(const void *p, int dtype) {
     if (dtype == 1) {
         const __m256i h = _mm256_loadu_si256((const __m256i *)p);
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     }
+    if (dtype == 2) return load16_fp8(p);
     return _mm512_loadu_ps(p);
 }
 
@@ -144,11 +197,25 @@ static inline vf v_exp(vf x) {
     const __m256 r = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
     return _mm256_and_ps(r, _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
 }
+/* 8 fp8 E4M3 values at p as floats (fp8_to_f32 lane-wise). */
+static inline vf v_load_fp8(const void *p) {
+    const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256i mag = _mm256_and_si256(x, _mm256_set1_epi32(0x7f));
+    const __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23));
+    const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(0x1p-9f));
+    const __m256i is_normal = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(7));
+    __m256 f = _mm256_blendv_ps(sub, _mm256_castsi256_ps(normal), _mm256_castsi256_ps(is_normal));
+    const __m256i is_nan = _mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7f));
+    f = _mm256_blendv_ps(f, _mm256_set1_ps(NAN), _mm256_castsi256_ps(is_nan));
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);
+    return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(f), sign));
+}
 static inline vf v_load_dt(const void *p, int dtype) {
     if (dtype == 1) {
         const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
         return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
     }
+    if (dtype == 2) return v_load_fp8(p);
     return _mm256_loadu_ps((const float *)p);
 }
 /* 8 floats -> 8 bfloat16 (round to nearest even, NaN kept quiet) at p. */
@@ -176,15 +243,18 @@ static inline vf v_round_dt(vf x, int dtype) {
 
 static inline void load_row(float *restrict dst, const void *p, int n, int dtype) {
 #ifdef VF
-    if (dtype == 1 && n % VW == 0) {
-        const uint16_t *s = (const uint16_t *)p;
-        for (int d = 0; d < n; d += VW) v_store(dst + d, v_load_dt(s + d, 1));
+    if (dtype != 0 && n % VW == 0) {
+        const char *s = (const char *)p;
+        for (int d = 0; d < n; d += VW) v_store(dst + d, v_load_dt(s + d * dt_size(dtype), dtype));
         return;
     }
 #endif
     if (dtype == 1) {
         const uint16_t *s = (const uint16_t *)p;
         for (int d = 0; d < n; d++) dst[d] = bf16_to_f32(s[d]);
+    } else if (dtype == 2) {
+        const uint8_t *s = (const uint8_t *)p;
+        for (int d = 0; d < n; d++) dst[d] = fp8_to_f32(s[d]);
     } else {
         memcpy(dst, p, (size_t)n * sizeof(float));
     }

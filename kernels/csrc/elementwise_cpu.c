@@ -7,6 +7,7 @@
 #include "cpu_common.h"
 
 #define MAX_HIDDEN 65536
+#define MAX_STORE_HEAD 256
 
 /* out = rms_norm(x) * weight, x [T, H] rows strided by sx. With residual (rows strided by sr):
  * residual <- x + residual first (rounded to the element type), and that stored value is
@@ -155,20 +156,35 @@ int rotary_cpu(const int64_t *positions, void *q, void *k, const float *cos_sin,
     return 0;
 }
 
-/* key/value [T, Hk, D] (strides skt/skh, svt/svh, elements) into the contiguous caches
- * [num_blocks, block_size, Hk, D] at slot_mapping [T] (int64; -1 = skip). */
+/* key/value [T, Hk, D] (strides skt/skh, svt/svh, elements; `dtype`) into the contiguous caches
+ * [num_blocks, block_size, Hk, D] at slot_mapping [T] (int64; -1 = skip), copied as they are
+ * when the caches hold `dtype`, or (kv_dtype 2) multiplied by the inverse scale and converted
+ * to fp8 E4M3 as torch converts (the reference in kernels/kv_cache.py). */
 int store_kv_cpu(const void *key, const void *value, void *k_cache, void *v_cache,
                  const int64_t *slots, int64_t T, int Hk, int D, int64_t skt, int64_t skh,
-                 int64_t svt, int64_t svh, int esize) {
-    const size_t row = (size_t)D * esize;
+                 int64_t svt, int64_t svh, int dtype, int kv_dtype, float k_inv_scale,
+                 float v_inv_scale) {
+    const size_t es = dt_size(dtype), row = (size_t)D * dt_size(kv_dtype);
+    if (kv_dtype != dtype && kv_dtype != 2) return -1;
+    float buf[MAX_STORE_HEAD];
+    if (kv_dtype == 2 && D > MAX_STORE_HEAD) return -1;
     for (int64_t t = 0; t < T; t++) {
         const int64_t slot = slots[t];
         if (slot < 0) continue;
-        char *kd = (char *)k_cache + (size_t)slot * Hk * row;
-        char *vd = (char *)v_cache + (size_t)slot * Hk * row;
         for (int h = 0; h < Hk; h++) {
-            memcpy(kd + h * row, (const char *)key + ((size_t)t * skt + (size_t)h * skh) * esize, row);
-            memcpy(vd + h * row, (const char *)value + ((size_t)t * svt + (size_t)h * svh) * esize, row);
+            const char *ks = (const char *)key + ((size_t)t * skt + (size_t)h * skh) * es;
+            const char *vs = (const char *)value + ((size_t)t * svt + (size_t)h * svh) * es;
+            char *kd = (char *)k_cache + ((size_t)slot * Hk + h) * row;
+            char *vd = (char *)v_cache + ((size_t)slot * Hk + h) * row;
+            if (kv_dtype == dtype) {
+                memcpy(kd, ks, row);
+                memcpy(vd, vs, row);
+                continue;
+            }
+            load_row(buf, ks, D, dtype); /* fp8: scaled, rounded to nearest even, saturated */
+            for (int d = 0; d < D; d++) ((uint8_t *)kd)[d] = f32_to_fp8(buf[d] * k_inv_scale);
+            load_row(buf, vs, D, dtype);
+            for (int d = 0; d < D; d++) ((uint8_t *)vd)[d] = f32_to_fp8(buf[d] * v_inv_scale);
         }
     }
     return 0;

@@ -18,7 +18,9 @@
  * chunk). Items are spread over OpenMP threads; the library is loaded after torch and uses the
  * libgomp torch has loaded, so both share one thread pool.
  *
- * Element types: 0 = float32, 1 = bfloat16 (query, caches and output share one type).
+ * Element types (cpu_common.h): the query and output share `dtype`, 0 = float32 or 1 = bfloat16;
+ * the caches hold `kv_dtype`, that type or 2 = fp8 E4M3 (read as floats; its scales are the
+ * caller's: the key scale folded into `scale`, the value scale applied to the output).
  * Built and loaded by kernels/cpu_kernels.py.
  */
 #include "cpu_common.h"
@@ -73,9 +75,9 @@ static void attend_item(const Item *it, Scratch *w, void *out, const void *query
                         const char *k_cache, const char *v_cache, const int32_t *table,
                         int64_t pos0, int num_q_heads, int num_kv_heads, int head_size,
                         int block_size, int max_blocks, int64_t q_stride_t, int64_t out_stride_t,
-                        float scale, int dtype) {
+                        float scale, int dtype, int kv_dtype) {
     const int group = num_q_heads / num_kv_heads;
-    const size_t esize = dtype == 1 ? 2 : 4;
+    const size_t esize = dt_size(dtype), kes = dt_size(kv_dtype);
     const int64_t token_stride = (int64_t)num_kv_heads * head_size;
     const int64_t block_stride = (int64_t)block_size * token_stride;
     const int D = head_size, R = it->nrows;
@@ -97,7 +99,7 @@ static void attend_item(const Item *it, Scratch *w, void *out, const void *query
         const int64_t blk = table[j];
         if (blk < 0) continue; /* an unfilled table entry: nothing cached there */
         if (j + 1 < nblocks && j + 1 < max_blocks && table[j + 1] >= 0) {
-            const size_t bytes = (size_t)block_stride * esize;
+            const size_t bytes = (size_t)block_stride * kes;
             prefetch_block(k_cache + (size_t)table[j + 1] * bytes, bytes);
             prefetch_block(v_cache + (size_t)table[j + 1] * bytes, bytes);
         }
@@ -106,8 +108,8 @@ static void attend_item(const Item *it, Scratch *w, void *out, const void *query
             if (key0 >= kv_len) break;
             int n = block_size - c0 < CHUNK ? block_size - c0 : CHUNK;
             if (key0 + n > kv_len) n = (int)(kv_len - key0);
-            const char *kb = k_cache + ((size_t)blk * block_stride + (size_t)c0 * token_stride) * esize;
-            const char *vb = v_cache + ((size_t)blk * block_stride + (size_t)c0 * token_stride) * esize;
+            const char *kb = k_cache + ((size_t)blk * block_stride + (size_t)c0 * token_stride) * kes;
+            const char *vb = v_cache + ((size_t)blk * block_stride + (size_t)c0 * token_stride) * kes;
             int nv[ROWS]; /* keys of this chunk each row sees (causal) */
             for (int r = 0; r < R; r++) {
                 const int64_t v = pos0 + r + 1 - key0;
@@ -116,7 +118,7 @@ static void attend_item(const Item *it, Scratch *w, void *out, const void *query
             for (int kvh = it->kvh0; kvh < it->kvh1; kvh++) {
                 const int h0 = kvh * group;
                 /* the chunk's keys of this kv head as floats: kbuf[t * D + d] */
-                load_tokens(w->kbuf, kb + (size_t)kvh * D * esize, n, token_stride * esize, D, dtype);
+                load_tokens(w->kbuf, kb + (size_t)kvh * D * kes, n, token_stride * kes, D, kv_dtype);
                 /* scores s[(r * Hq + h) * CHUNK + t] */
                 for (int r = 0; r < R; r++) {
                     for (int h = h0; h < h0 + group; h++) {
@@ -144,7 +146,7 @@ static void attend_item(const Item *it, Scratch *w, void *out, const void *query
                     }
                 }
                 /* acc += p V, the chunk's values as floats first */
-                load_tokens(w->kbuf, vb + (size_t)kvh * D * esize, n, token_stride * esize, D, dtype);
+                load_tokens(w->kbuf, vb + (size_t)kvh * D * kes, n, token_stride * kes, D, kv_dtype);
                 for (int r = 0; r < R; r++) {
                     for (int h = h0; h < h0 + group; h++) {
                         const size_t i = (size_t)r * num_q_heads + h;
@@ -205,10 +207,10 @@ static inline __attribute__((always_inline)) void attend_row_dc(
     const Item *it, Scratch *w, void *out, const void *query, const char *k_cache,
     const char *v_cache, const int32_t *table, int64_t pos, int num_q_heads, int num_kv_heads,
     int block_size, int max_blocks, int64_t q_stride_t, int64_t out_stride_t, float scale,
-    int dtype, const int DC) {
+    int dtype, int kv_dtype, const int DC) {
     const int D = 16 * DC, group = num_q_heads / num_kv_heads;
     const int HG = 16 / DC; /* heads whose accumulators fit in registers at once */
-    const size_t es = dtype == 1 ? 2 : 4;
+    const size_t es = dt_size(dtype), kes = dt_size(kv_dtype);
     const int64_t token_stride = (int64_t)num_kv_heads * D;
     const int64_t block_stride = (int64_t)block_size * token_stride;
     const int64_t kv_len = pos + 1;
@@ -227,7 +229,7 @@ static inline __attribute__((always_inline)) void attend_row_dc(
         const int64_t blk = table[j];
         if (blk < 0) continue;
         if (j + 1 < nblocks && j + 1 < max_blocks && table[j + 1] >= 0) {
-            const size_t bytes = (size_t)block_stride * es;
+            const size_t bytes = (size_t)block_stride * kes;
             prefetch_block(k_cache + (size_t)table[j + 1] * bytes, bytes);
             prefetch_block(v_cache + (size_t)table[j + 1] * bytes, bytes);
         }
@@ -238,14 +240,14 @@ static inline __attribute__((always_inline)) void attend_row_dc(
             if (key0 + n > kv_len) n = (int)(kv_len - key0);
             const __mmask16 live = (__mmask16)(n == 16 ? 0xffff : (1u << n) - 1);
             for (int kvh = it->kvh0; kvh < it->kvh1; kvh++) {
-                const size_t base = ((size_t)blk * block_stride + (size_t)c0 * token_stride + (size_t)kvh * D) * es;
+                const size_t base = ((size_t)blk * block_stride + (size_t)c0 * token_stride + (size_t)kvh * D) * kes;
                 const char *kb = k_cache + base, *vb = v_cache + base;
                 int direct = 0;
 #ifdef __AVX512BF16__
-                direct = dtype == 1;
+                direct = dtype == 1 && kv_dtype == 1;
 #endif
                 if (!direct)
-                    load_tokens(w->kbuf, kb, n, token_stride * es, D, dtype);
+                    load_tokens(w->kbuf, kb, n, token_stride * kes, D, kv_dtype);
                 for (int h = kvh * group; h < (kvh + 1) * group; h++) {
                     __m512 dv[16];
                     if (direct) {
@@ -256,7 +258,7 @@ static inline __attribute__((always_inline)) void attend_row_dc(
                         for (int t = 0; t < 16; t++) {
                             dv[t] = _mm512_setzero_ps();
                             if (t >= n) continue;
-                            const uint16_t *kr = (const uint16_t *)(kb + (size_t)t * token_stride * es);
+                            const uint16_t *kr = (const uint16_t *)(kb + (size_t)t * token_stride * kes);
                             for (int c = 0; c < DC / 2; c++)
                                 dv[t] = _mm512_dpbf16_ps(dv[t], qb[c], (__m512bh)_mm512_loadu_si512(kr + 32 * c));
                         }
@@ -311,8 +313,8 @@ static inline __attribute__((always_inline)) void attend_row_dc(
                                 pp[hh][t / 2] = (uint32_t)f32_to_bf16(ps[t]) | ((uint32_t)f32_to_bf16(ps[t + 1]) << 16);
                         }
                         for (int t = 0; t < n; t += 2) {
-                            const uint16_t *r0 = (const uint16_t *)(vb + (size_t)t * token_stride * es);
-                            const uint16_t *r1 = t + 1 < n ? (const uint16_t *)(vb + (size_t)(t + 1) * token_stride * es) : zero_row;
+                            const uint16_t *r0 = (const uint16_t *)(vb + (size_t)t * token_stride * kes);
+                            const uint16_t *r1 = t + 1 < n ? (const uint16_t *)(vb + (size_t)(t + 1) * token_stride * kes) : zero_row;
                             for (int c2 = 0; c2 < DC / 2; c2++) {
                                 const __m512i x = _mm512_loadu_si512(r0 + 32 * c2), y = _mm512_loadu_si512(r1 + 32 * c2);
                                 const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x, y);
@@ -330,7 +332,7 @@ static inline __attribute__((always_inline)) void attend_row_dc(
                     continue;
                 }
 #endif
-                load_tokens(w->kbuf, vb, n, token_stride * es, D, dtype);
+                load_tokens(w->kbuf, vb, n, token_stride * kes, D, kv_dtype);
                 for (int hb = kvh * group; hb < (kvh + 1) * group; hb += HG) {
                     const int nh = (kvh + 1) * group - hb < HG ? (kvh + 1) * group - hb : HG;
                     __m512 a[16];
@@ -353,7 +355,7 @@ static inline __attribute__((always_inline)) void attend_row_dc(
     char *out_row = (char *)out + (size_t)it->row0 * out_stride_t * es;
     int permuted = 0;
 #ifdef __AVX512BF16__
-    permuted = dtype == 1;
+    permuted = dtype == 1 && kv_dtype == 1;
 #endif
     for (int h = h0; h < h1; h++) {
         const float inv = w->l[h] > 0.0f ? 1.0f / w->l[h] : 0.0f;
@@ -368,18 +370,18 @@ static void attend_row_d64(const Item *it, Scratch *w, void *out, const void *qu
                            const char *k_cache, const char *v_cache, const int32_t *table,
                            int64_t pos, int num_q_heads, int num_kv_heads, int block_size,
                            int max_blocks, int64_t q_stride_t, int64_t out_stride_t, float scale,
-                           int dtype) {
+                           int dtype, int kv_dtype) {
     attend_row_dc(it, w, out, query, k_cache, v_cache, table, pos, num_q_heads, num_kv_heads,
-                  block_size, max_blocks, q_stride_t, out_stride_t, scale, dtype, 4);
+                  block_size, max_blocks, q_stride_t, out_stride_t, scale, dtype, kv_dtype, 4);
 }
 
 static void attend_row_d128(const Item *it, Scratch *w, void *out, const void *query,
                             const char *k_cache, const char *v_cache, const int32_t *table,
                             int64_t pos, int num_q_heads, int num_kv_heads, int block_size,
                             int max_blocks, int64_t q_stride_t, int64_t out_stride_t, float scale,
-                            int dtype) {
+                            int dtype, int kv_dtype) {
     attend_row_dc(it, w, out, query, k_cache, v_cache, table, pos, num_q_heads, num_kv_heads,
-                  block_size, max_blocks, q_stride_t, out_stride_t, scale, dtype, 8);
+                  block_size, max_blocks, q_stride_t, out_stride_t, scale, dtype, kv_dtype, 8);
 }
 #endif
 
@@ -394,9 +396,9 @@ static void attend_tile_qvec(const Item *it, Scratch *w, void *out, const void *
                              const char *k_cache, const char *v_cache, const int32_t *table,
                              int64_t pos0, int num_q_heads, int num_kv_heads, int D,
                              int block_size, int max_blocks, int64_t q_stride_t,
-                             int64_t out_stride_t, float scale, int dtype) {
+                             int64_t out_stride_t, float scale, int dtype, int kv_dtype) {
     const int group = num_q_heads / num_kv_heads, R = it->nrows;
-    const size_t esize = dtype == 1 ? 2 : 4;
+    const size_t esize = dt_size(dtype), kes = dt_size(kv_dtype);
     const int64_t token_stride = (int64_t)num_kv_heads * D;
     const int64_t block_stride = (int64_t)block_size * token_stride;
     const int nq = R * group, ngroups = (nq + VW - 1) / VW, nqp = ngroups * VW;
@@ -426,10 +428,10 @@ static void attend_tile_qvec(const Item *it, Scratch *w, void *out, const void *
                 if (key0 >= kv_len) break;
                 int n = block_size - c0 < CHUNK ? block_size - c0 : CHUNK;
                 if (key0 + n > kv_len) n = (int)(kv_len - key0);
-                const char *kb = k_cache + ((size_t)blk * block_stride + (size_t)c0 * token_stride + (size_t)kvh * D) * esize;
-                const char *vb = v_cache + ((size_t)blk * block_stride + (size_t)c0 * token_stride + (size_t)kvh * D) * esize;
+                const char *kb = k_cache + ((size_t)blk * block_stride + (size_t)c0 * token_stride + (size_t)kvh * D) * kes;
+                const char *vb = v_cache + ((size_t)blk * block_stride + (size_t)c0 * token_stride + (size_t)kvh * D) * kes;
                 float *kbuf = w->kbuf; /* [n][D] */
-                load_tokens(kbuf, kb, n, token_stride * esize, D, dtype);
+                load_tokens(kbuf, kb, n, token_stride * kes, D, kv_dtype);
                 for (int g = 0; g < ngroups; g++) {
                     const float *qg = qt + VW * g;
                     const vf pg = v_load(pos + VW * g);
@@ -474,7 +476,7 @@ static void attend_tile_qvec(const Item *it, Scratch *w, void *out, const void *
                     v_store(l + VW * g, v_fmadd(v_load(l + VW * g), corr, sum));
                     v_store(m + VW * g, v_select(seen, mx, mold));
                     /* acc_t[d] = acc_t[d] * corr + sum_t p[t] v[t][d] */
-                    load_tokens(kbuf, vb, n, token_stride * esize, D, dtype);
+                    load_tokens(kbuf, vb, n, token_stride * kes, D, kv_dtype);
                     for (int d = 0; d < D; d += 4) { /* D % 8 == 0: four independent chains */
                         float *ad = acc + (size_t)d * nqp + VW * g;
                         vf a0 = v_mul(v_load(ad), corr);
@@ -496,7 +498,7 @@ static void attend_tile_qvec(const Item *it, Scratch *w, void *out, const void *
                     }
                     /* the key rows are needed again by the next lane group */
                     if (g + 1 < ngroups)
-                        for (int t2 = 0; t2 < n; t2++) load_row(kbuf + (size_t)t2 * D, kb + (size_t)t2 * token_stride * esize, D, dtype);
+                        for (int t2 = 0; t2 < n; t2++) load_row(kbuf + (size_t)t2 * D, kb + (size_t)t2 * token_stride * kes, D, kv_dtype);
                 }
             }
         }
@@ -521,9 +523,9 @@ int paged_attention_cpu(
     const int32_t *query_start_loc, /* [B + 1] */
     int64_t num_tokens, int num_seqs, int num_q_heads, int num_kv_heads, int head_size,
     int block_size, int max_blocks, int64_t q_stride_t, int64_t out_stride_t,
-    float scale, int dtype, int num_threads) {
+    float scale, int dtype, int kv_dtype, int num_threads) {
     if (head_size > 256 || num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0) return -1;
-    const size_t esize = dtype == 1 ? 2 : 4;
+    const size_t esize = dt_size(dtype);
     const int64_t total_rows = num_seqs > 0 ? query_start_loc[num_seqs] : 0;
     for (int64_t row = total_rows; row < num_tokens; row++) /* padding rows */
         memset((char *)out + (size_t)row * out_stride_t * esize, 0,
@@ -573,7 +575,7 @@ int paged_attention_cpu(
                 (head_size == 64 ? attend_row_d64 : attend_row_d128)(
                     it, &w, out, query, (const char *)k_cache, (const char *)v_cache,
                     block_tables + (int64_t)b * max_blocks, pos0, num_q_heads, num_kv_heads,
-                    block_size, max_blocks, q_stride_t, out_stride_t, scale, dtype);
+                    block_size, max_blocks, q_stride_t, out_stride_t, scale, dtype, kv_dtype);
                 continue;
             }
 #endif
@@ -582,13 +584,14 @@ int paged_attention_cpu(
                 attend_tile_qvec(it, &w, out, query, (const char *)k_cache, (const char *)v_cache,
                                  block_tables + (int64_t)b * max_blocks, pos0, num_q_heads,
                                  num_kv_heads, head_size, block_size, max_blocks, q_stride_t,
-                                 out_stride_t, scale, dtype);
+                                 out_stride_t, scale, dtype, kv_dtype);
                 continue;
             }
 #endif
             attend_item(it, &w, out, query, (const char *)k_cache, (const char *)v_cache,
                         block_tables + (int64_t)b * max_blocks, pos0, num_q_heads, num_kv_heads,
-                        head_size, block_size, max_blocks, q_stride_t, out_stride_t, scale, dtype);
+                        head_size, block_size, max_blocks, q_stride_t, out_stride_t, scale, dtype,
+                        kv_dtype);
         }
         free(w.q); free(w.acc); free(w.m); free(w.l); free(w.s); free(w.kbuf);
     }

@@ -17,6 +17,7 @@ from engine.loader import resolve_dtype
 from kernels import cpu_isa
 from kernels import cpu_kernels as cpu
 from tests.kernels import test_cpu_kernels as kernel_tests
+from tests.kernels import test_fp8_kv as fp8_tests
 from tests.kernels import test_quant_linear as quant_tests
 
 ZEN3 = {"sse2", "avx", "avx2", "fma", "f16c", "bmi2"}  # an AVX2-only AMD EPYC
@@ -118,3 +119,6 @@ def test_c_kernels_build_for_every_class_and_match_the_references(isa, monkeypat
     kernel_tests.test_store_kv_matches_reference_and_skips_minus_one()
     for dtype in (torch.float32, torch.bfloat16):
         quant_tests.test_c_row_quantization_has_the_reference_bits(dtype)
+        fp8_tests.test_c_store_has_torchs_fp8_bits(dtype, (0.37, 2.0))
+        for heads, head_size in [((14, 2), 64), ((8, 2), 128), ((4, 1), 80), ((4, 2), 36)]:
+            fp8_tests.test_c_attention_reads_fp8_caches(dtype, heads, head_size, 16)
