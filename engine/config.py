@@ -66,6 +66,12 @@ class CacheConfig(_Strict):
         0.9, gt=0.0, le=1.0, description="Fraction of GPU memory the engine may use in all "
         "(weights, activations, KV cache) when kv_cache_memory_bytes is not set."
     )
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field(
+        "auto", description="What the KV cache stores: 'auto' the model's dtype; 'fp8' (or "
+        "'fp8_e4m3') FP8 E4M3 with a per-tensor scale (1.0, or the checkpoint's k_scale and "
+        "v_scale), one byte per value: twice bfloat16's blocks in the same memory. On CUDA it "
+        "needs compute capability 8.9+ (Ada, Hopper).",
+    )
 
     @model_validator(mode="after")
     def _check_block_size(self) -> CacheConfig:

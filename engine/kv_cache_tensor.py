@@ -17,6 +17,7 @@ import torch
 
 from engine.config import CacheConfig
 from engine.distributed import all_reduce_min
+from kernels.kv_cache import FP8_KV_DTYPE
 
 if TYPE_CHECKING:
     from engine.layers.attention import Attention
@@ -40,6 +41,19 @@ def kv_budget_bytes(cache: CacheConfig, device: torch.device,
     free, total = torch.cuda.mem_get_info()
     activation_peak = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
     return int(total * cache.gpu_memory_utilization - (total - free) - activation_peak)
+
+
+def kv_cache_dtype(cache: CacheConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The cache's element type: ``dtype`` for "auto", else fp8 E4M3; ``ValueError`` on a GPU
+    without fp8 (compute capability below 8.9, where Triton has no E4M3 type)."""
+    if cache.kv_cache_dtype == "auto":
+        return dtype
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(f"kv_cache_dtype={cache.kv_cache_dtype!r} needs a GPU of compute "
+                         f"capability 8.9 or newer (Ada, Hopper); this one is {major}.{minor}: "
+                         "use kv_cache_dtype='auto'")
+    return FP8_KV_DTYPE
 
 
 class KVCacheTensor:

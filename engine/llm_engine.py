@@ -68,6 +68,8 @@ class LLMEngine:
         # how the weights are kept: the quantization setting, else the checkpoint's own
         self.quantization = config.model.quantization or (
             self.hf.quantization.label if self.hf.quantization else None)
+        self.kv_cache_dtype = ("fp8_e4m3" if config.cache.kv_cache_dtype != "auto"
+                               else str(dtype).removeprefix("torch."))  # what the cache holds
         if tp > 1:
             self.ranks = start_ranks(rank_launcher, config, self.device, model_path, dtype,
                                      self.max_model_len)

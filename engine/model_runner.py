@@ -21,7 +21,7 @@ from engine.context import AttentionMetadata, set_context
 from engine.cpu_runtime import keep_freed_memory
 from engine.distributed import broadcast_cpu, tp_rank, tp_size
 from engine.envs import configure_kernels
-from engine.kv_cache_tensor import KVCacheTensor, kv_budget_bytes
+from engine.kv_cache_tensor import KVCacheTensor, kv_budget_bytes, kv_cache_dtype
 from engine.layers.attention import Attention
 from engine.layers.embedding import ParallelLMHead
 from engine.layers.linear import (
@@ -55,7 +55,8 @@ class ModelRunner:
             keep_freed_memory()
         self.model = self._build_model(model_path, progress)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.kv = KVCacheTensor(self.attn_layers, self.block_size, dtype, device)
+        self.kv = KVCacheTensor(self.attn_layers, self.block_size,
+                                kv_cache_dtype(config.cache, dtype, device), device)
         budget = kv_budget_bytes(config.cache, device, self._profile_run)
         self.num_blocks = self.kv.allocate(budget, max_model_len)
         self.sampler = Sampler(config.model.seed, device) if tp_rank() == 0 else None

@@ -17,8 +17,9 @@ FAIL:
 4. ``performance``: decode ms per step with CUDA graphs at batch 1-256 and contexts 1k and 8k,
    as a fraction of the HBM floor (weights + KV bytes read per step at the measured copy
    bandwidth); tokens/s against Hugging Face ``generate`` on the same workload; decode with
-   ``quantization=int8`` (the Triton W8A16 matmul) at the first two shapes against the plain
-   dtype. Goals, reported
+   ``quantization=int8`` (the Triton W8A16 matmul) at the first two shapes and with
+   ``kv_cache_dtype=fp8`` at the 8k-context ones against the plain dtype (with the KV blocks
+   each gets). Goals, reported
    as checks: batch-1 decode within 1.25x of the floor, 10x HF or more. (Paged attention
    against copy bandwidth: ``load_tests/kernel_bench.py``, run by ``gpu_check.sh``.)
 
@@ -290,8 +291,13 @@ def performance(c: Check) -> dict[str, Any]:
                             "vs_hf": _vs_hf(path, llm, c)}
     plain = {"dtype": str(llm.engine.dtype).split(".")[1],
              "max_model_len": llm.engine.max_model_len}
-    del llm  # its KV cache holds the memory the int8 engine needs
-    data["int8_decode"] = _int8_rows(path, plain, rows, shapes[:2], new, c)
+    plain_blocks = llm.engine.runner.num_blocks
+    del llm  # its KV cache holds the memory the variants need
+    long = [i for i, (_, n) in enumerate(shapes) if n == max(n for _, n in shapes)][:2]
+    data["int8_decode"] = _variant_rows(path, plain, rows, [0, 1], new, c, "int8",
+                                        {"quantization": "int8"})
+    data["fp8_kv_decode"] = _variant_rows(path, plain, rows, long, new, c, "fp8_kv",
+                                          {"kv_cache_dtype": "fp8"}, plain_blocks)
     failures = []
     if not c.dry:
         if rows[0]["x_floor"] > 1.25:
@@ -301,28 +307,37 @@ def performance(c: Check) -> dict[str, Any]:
     return _failed(data, failures)
 
 
-def _int8_rows(path: Path, plain: dict[str, Any], rows: list[dict[str, Any]],
-               shapes: list[tuple[int, int]], new: int, c: Check) -> list[dict[str, Any]]:
-    """``quantization=int8`` (the Triton W8A16 matmul on CUDA) at the first shapes, against the
-    plain dtype's rows (``plain``: that engine's dtype and max_model_len)."""
+def _variant_rows(path: Path, plain: dict[str, Any], rows: list[dict[str, Any]],
+                  which: list[int], new: int, c: Check, name: str, settings: dict[str, Any],
+                  plain_blocks: int | None = None) -> list[dict[str, Any]] | str:
+    """An engine with ``settings`` on top of the plain one (``plain``: its dtype and
+    max_model_len) at the shapes of ``rows[i]`` for i in ``which``, each against that row;
+    with ``plain_blocks``, its KV blocks against those too. A GPU that cannot run the variant
+    (fp8 below compute capability 8.9) gives the reason instead."""
     import gc
 
     import torch
 
     from engine import LLM
 
-    kwargs = dict(plain, device=c.device, quantization="int8",
+    kwargs = dict(plain, device=c.device, **settings,
                   **({"kv_cache_memory_bytes": 64 << 20} if c.dry else {}))
     gc.collect()
     if c.device == "cuda":
         torch.cuda.empty_cache()
-    int8 = LLM(str(path), **kwargs)
+    try:
+        llm = LLM(str(path), **kwargs)
+    except ValueError as e:
+        return f"not run: {e}"
     out = []
-    for (batch, context), plain in zip(shapes, rows):
-        ms = _decode_ms(int8, batch, context, new)
-        out.append({"batch": batch, "context": context, "ms_per_step": round(ms, 3),
-                    "speedup_vs_plain": round(plain["ms_per_step"] / ms, 2)})
-        print(json.dumps({"int8": out[-1]}), flush=True)
+    for base in (rows[i] for i in which):
+        ms = _decode_ms(llm, base["batch"], base["context"], new)
+        out.append({"batch": base["batch"], "context": base["context"],
+                    "ms_per_step": round(ms, 3),
+                    "speedup_vs_plain": round(base["ms_per_step"] / ms, 2)})
+        if plain_blocks:
+            out[-1]["kv_blocks_vs_plain"] = round(llm.engine.runner.num_blocks / plain_blocks, 2)
+        print(json.dumps({name: out[-1]}), flush=True)
     return out
 
 

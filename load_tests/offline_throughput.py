@@ -168,7 +168,8 @@ class EngineBackend:
                        max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        kv_cache_memory_bytes=args.kv_cache_gib << 30, num_threads=args.threads,
-                       quantization=args.quantization)
+                       quantization=args.quantization,
+                       kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
         self._generate(WARMUP, use_tqdm=False)
         self.timers = StepTimers(self.llm.engine) if args.profile else None
         self.profiled_s = 0.0
@@ -581,6 +582,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plot", default=None, help="write a bar chart of output tokens/s here")
     p.add_argument("--quantization", choices=("int8",), default=None,
                    help="the engine's linear weights (vLLM and HF run unquantized)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="what the engine's KV cache holds (vLLM and HF: their default)")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
                    help="activations' dtype for every backend; auto: what the engine's "
                    "dtype=auto picks for the bf16 checkpoint on this (capped) CPU")

@@ -7,14 +7,15 @@ with their scales; embedding, LM head and norms), the KV-cache blocks it gets fr
 memory, offline output tokens/s on ``offline_throughput.py``'s workload, and decode-only
 tokens/s at batch 1, 8 and 64 (a batch of 16-token prompts generating ``--decode-tokens``
 tokens, less the same batch's prefill and first token, with fresh prompt ids each time so the
-prefix cache never answers). One JSON line per variant (and one for vLLM), then a summary line
+prefix cache never answers). Variants (``MODES``): the plain dtype, ``quantization=int8``,
+``kv_cache_dtype=fp8`` and both. One JSON line per variant (and one for vLLM), then a summary line
 with each variant's ratios to the plain dtype, and with ``--plot`` a bar chart of the ratios.
 
     .venv/bin/python load_tests/quant_bench.py --model-size 0.5b --num-prompts 64 \\
         --vllm-python /tmp/vllm-venv/bin/python --plot docs/quant_bench.png
 
 The plain dtype is what ``dtype=auto`` takes on this CPU (bfloat16 only where it is native),
-or ``--dtype``. Only the modes the engine has are run (``MODES``); ``--isa CLASS`` caps the
+or ``--dtype``. ``--modes`` picks variants (the first is the baseline); ``--isa CLASS`` caps the
 instruction set as ``offline_throughput.py`` does.
 """
 
@@ -32,7 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import offline_throughput as ot  # noqa: E402  (after the path)
 
-MODES = (None, "int8")  # quantization values the engine accepts (None: the plain dtype)
+# (name, quantization, kv_cache_dtype): the plain dtype first, the baseline of the ratios
+MODES = {"plain": (None, "auto"), "int8": ("int8", "auto"), "fp8-kv": (None, "fp8"),
+         "int8+fp8-kv": ("int8", "fp8")}
 DECODE_BATCHES = (1, 8, 64)
 
 
@@ -60,13 +63,14 @@ def decode_tok_s(llm, batch: int, new_tokens: int, seed: int, context: int = 16,
     return batch * new_tokens / max(full - first, 1e-9)
 
 
-def run_engine(path: Path, wl: ot.Workload, args, mode: str | None) -> dict:
+def run_engine(path: Path, wl: ot.Workload, args, mode: str) -> dict:
     from engine.model_runner import weight_bytes
 
-    args.quantization = mode
+    args.quantization, args.kv_cache_dtype = MODES[mode]
     backend = ot.EngineBackend(path, args)
     llm = backend.llm
-    res = {"variant": mode or args.dtype, "dtype": args.dtype, "quantization": mode,
+    res = {"variant": args.dtype if mode == "plain" else mode, "dtype": args.dtype,
+           "quantization": args.quantization, "kv_cache_dtype": llm.engine.kv_cache_dtype,
            "weight_bytes": weight_bytes(llm.engine.runner.model),
            "kv_blocks": llm.engine.runner.num_blocks}
     elapsed, _ = backend.generate(wl)
@@ -120,6 +124,8 @@ def main(argv=None) -> None:
     own = argparse.ArgumentParser(add_help=False)  # the rest are offline_throughput.py's
     own.add_argument("--decode-tokens", type=int, default=32)
     own.add_argument("--plot", default=None, help="a bar chart of the ratios (PNG)")
+    own.add_argument("--modes", default=",".join(MODES),
+                     help=f"engine variants, the first the baseline (of {', '.join(MODES)})")
     mine, rest = own.parse_known_args(argv)
     backends = "engine,vllm" if "--vllm-python" in rest else "engine"
     args = ot.parse_args(["--backends", backends, *rest])
@@ -131,7 +137,7 @@ def main(argv=None) -> None:
     wl = ot.make_workload(args.num_prompts, args.seed, tuple(args.prompt_len),
                           tuple(args.output_len))
     runs = []
-    for mode in MODES:
+    for mode in mine.modes.split(","):
         res = {**run_engine(path, wl, args, mode), "model": args.model_size, "cpu": args.cpu,
                "num_prompts": args.num_prompts}
         runs.append(res)

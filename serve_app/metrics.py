@@ -114,9 +114,9 @@ class WorkerMetrics:
                  precision: dict[str, str] | None = None) -> None:
         self._engine = engine
         self._tags = {"model_name": model_name, "replica": replica}
-        if precision is not None:  # {"dtype": ..., "quantization": ...}: model_info's labels
-            _metric(Gauge, "model_info", "1; its labels say the dtype and quantization in use.",
-                    extra=("dtype", "quantization")).set(1.0, tags={**self._tags, **precision})
+        if precision is not None:  # dtype, quantization, kv_cache_dtype: model_info's labels
+            _metric(Gauge, "model_info", "1; its labels say the precisions in use.",
+                    extra=tuple(precision)).set(1.0, tags={**self._tags, **precision})
         self._gauges = {stat: _metric(Gauge, name, description)
                         for stat, (name, description) in _ENGINE_GAUGES.items()}
         self._counters = {stat: _metric(Counter, name, description)

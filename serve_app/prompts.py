@@ -38,6 +38,7 @@ class PromptProcessor:
         self.max_model_len: int = info["max_model_len"]
         self.dtype: str | None = info.get("dtype")  # the Workers' activations dtype
         self.quantization: str | None = info.get("quantization")  # their weights' ("int8")
+        self.kv_cache_dtype: str | None = info.get("kv_cache_dtype")  # their KV cache's
         self.vocab_size: int = info["vocab_size"]
         self._chunk = prefix_chunk_tokens
         self.max_n = max_n

@@ -90,11 +90,10 @@ class Router:
         while True:
             try:
                 info = await asyncio.wait_for(self.workers.model_info(), timeout=10.0)
-                self.prompts = PromptProcessor.for_app(info, self.cfg)
-                logger.info("serving %s (dtype %s, weights %s, max_model_len %d, vocab_size "
-                            "%d)", self.prompts.model_name, info["dtype"],
-                            info.get("quantization") or info["dtype"], info["max_model_len"],
-                            info["vocab_size"])
+                self.prompts = p = PromptProcessor.for_app(info, self.cfg)
+                logger.info("serving %s (dtype %s, weights %s, KV cache %s, max_model_len %d, "
+                            "vocab_size %d)", p.model_name, p.dtype, p.quantization or p.dtype,
+                            p.kv_cache_dtype or p.dtype, p.max_model_len, p.vocab_size)
                 return
             except Exception as exc:  # no Worker yet, or it is still loading its model
                 logger.info("waiting for a Worker to report its model: %r", exc)
@@ -114,7 +113,7 @@ class Router:
         p = await self._ready()
         card = {"id": p.model_name, "object": "model", "created": 0, "owned_by": "pagedserve",
                 "max_model_len": p.max_model_len, "dtype": p.dtype,
-                "quantization": p.quantization}
+                "quantization": p.quantization, "kv_cache_dtype": p.kv_cache_dtype}
         return JSONResponse({"object": "list", "data": [card]})
 
     @api.get("/v1/stats")

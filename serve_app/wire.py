@@ -132,6 +132,7 @@ class ModelInfo(TypedDict):
     dtype: str  # the activations' dtype in use, e.g. "float32"
     quantization: str | None  # the weights' format ("int8", "compressed-tensors:int8-w8a8",
     #                           ...), or None (in dtype)
+    kv_cache_dtype: str  # what the KV cache holds: "fp8_e4m3" or the dtype's name
     tokenizer: Any  # the model's Hugging Face tokenizer
 
 

@@ -46,6 +46,7 @@ class ServingEngine(EngineStatsSource, Protocol):
     vocab_size: int  # token ids it accepts: [0, vocab_size)
     dtype: Any  # the activations' torch dtype
     quantization: str | None  # the weights' format ("int8", ...); None: in dtype
+    kv_cache_dtype: str  # what the KV cache holds: "fp8_e4m3" or the dtype's name
     tokenizer: Any
     config: EngineConfig
 
@@ -82,7 +83,8 @@ class Worker:
         self.replica_id = replica_id or serve.get_replica_context().replica_id.unique_id
         self.metrics = WorkerMetrics.for_replica(self.engine, config, self.replica_id, {
             "dtype": str(self.engine.dtype).removeprefix("torch."),
-            "quantization": self.engine.quantization or "none"})
+            "quantization": self.engine.quantization or "none",
+            "kv_cache_dtype": self.engine.kv_cache_dtype})
         self._pumps: dict[str, asyncio.Task[None]] = {}  # request id -> task streaming it
         self._streams: dict[str, _Stream] = {}  # stream_key -> that Router's open stream
         self._received: dict[str, int] = {}  # stream_key -> requests received (routing stats)
@@ -185,6 +187,7 @@ class Worker:
             "vocab_size": self.engine.vocab_size,
             "dtype": str(self.engine.dtype).removeprefix("torch."),
             "quantization": self.engine.quantization,
+            "kv_cache_dtype": self.engine.kv_cache_dtype,
             "tokenizer": self.engine.tokenizer,
         }
 

@@ -14,6 +14,9 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
+        # An fp8 cache holds k / k_scale and v / v_scale (1.0 unless the checkpoint gives them):
+        # the key scale joins the softmax scale, the value scale multiplies the output.
+        self.k_scale, self.v_scale = 1.0, 1.0
         # Views into this layer's slice of the cache, bound by the model runner:
         # [num_blocks, block_size, num_kv_heads, head_dim] each.
         self.k_cache: torch.Tensor | None = None
@@ -27,8 +30,10 @@ class Attention(nn.Module):
         k_cache, v_cache = self.k_cache, self.v_cache
         if k_cache is None or v_cache is None:
             raise RuntimeError("Attention: no KV cache bound (the model runner binds it)")
-        ops.store_kv_cache(k, v, k_cache, v_cache, ctx.slot_mapping)
+        ops.store_kv_cache(k, v, k_cache, v_cache, ctx.slot_mapping, self.k_scale, self.v_scale)
         out = ops.paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens,
-                                  ctx.query_start_loc, self.scale, ctx.max_query_len,
-                                  ctx.max_seq_len)
+                                  ctx.query_start_loc, self.scale * self.k_scale,
+                                  ctx.max_query_len, ctx.max_seq_len)
+        if self.v_scale != 1.0:
+            out = out * self.v_scale
         return out.view(-1, self.num_heads * self.head_dim)

@@ -29,6 +29,13 @@ from tests.engine.test_model_parity import ARCHS, PROMPTS
 
 NEW_TOKENS = 16
 MEAN_KL = 0.01
+# An fp8 E4M3 cache rounds every key and value to 3 mantissa bits (up to 1/16 relative error,
+# against int8 weights' 1/254 of a row's largest value): the mean KL measured 0.011-0.014
+# nats alone and 0.016-0.019 with int8 weights, and near-ties up to 0.42 nats (0.81 with int8
+# weights) flip. 0.03 nats and margins of 0.5 (1.0) still fail a lost scale or a misread byte
+# by orders of magnitude; 16 (4) clear positions of 64 remain to check at those margins.
+FP8_KV = dict(mean_kl=0.03, margin=0.5, min_clear=16)
+FP8_KV_INT8 = dict(mean_kl=0.03, margin=1.0, min_clear=4)
 MARGIN = 0.3
 COMMON = dict(dtype="float32", kv_cache_memory_bytes=8 << 20, block_size=8)
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -116,3 +123,35 @@ def test_weight_bytes_halved_against_bfloat16(float_run):
 def test_unknown_quantization_is_refused():
     with pytest.raises(ValueError, match="quantization"):
         LLM(None, quantization="int4")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fp8_kv_cache_greedy_tokens_and_kl_close_to_float(float_run, dtype):
+    """``kv_cache_dtype="fp8"``: keys and values stored as fp8 E4M3 and read back by the C
+    kernel, within the bounds of ``FP8_KV``."""
+    path, ref_llm, ref_tokens = float_run
+    llm = LLM(str(path), kv_cache_dtype="fp8", **{**COMMON, "dtype": dtype})
+    assert llm.engine.runner.kv_cache.dtype == torch.float8_e4m3fn
+    assert llm.engine.kv_cache_dtype == "fp8_e4m3"
+    assert_close_to_float(ref_llm, ref_tokens, llm, **FP8_KV)
+
+
+def test_fp8_kv_cache_with_int8_weights(float_run):
+    path, ref_llm, ref_tokens = float_run
+    llm = LLM(str(path), kv_cache_dtype="fp8_e4m3", quantization="int8", **COMMON)
+    assert llm.engine.runner.kv_cache.dtype == torch.float8_e4m3fn
+    assert_close_to_float(ref_llm, ref_tokens, llm, **FP8_KV_INT8)
+
+
+def test_fp8_kv_cache_holds_twice_bfloat16s_blocks(float_run):
+    path = float_run[0]
+    blocks = {kv: LLM(str(path), kv_cache_dtype=kv, **{**COMMON, "dtype": "bfloat16"})
+              .engine.runner.num_blocks for kv in ("auto", "fp8")}
+    assert blocks["fp8"] == 2 * blocks["auto"]
+    f32 = LLM(str(path), **COMMON).engine.runner.num_blocks
+    assert blocks["fp8"] == 4 * f32
+
+
+def test_fp8_kv_cache_setting_is_checked():
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLM(None, kv_cache_dtype="fp8_e5m2")

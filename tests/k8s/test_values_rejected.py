@@ -36,6 +36,8 @@ REJECTED = [
                  id="unknown-policy"),
     pytest.param({"app": {"quantization": "int4"}}, "at '/app/quantization'",
                  id="unknown-quantization"),
+    pytest.param({"app": {"kv_cache_dtype": "fp8_e5m2"}}, "at '/app/kv_cache_dtype'",
+                 id="unknown-kv-cache-dtype"),
     pytest.param({"autoscaling": {"policy": "inline"}},
                  "at '/autoscaling/inline': minProperties: got 0, want 1", id="inline-missing"),
     pytest.param({"autoscaling": {"inline": {"max_replicas": 2}}},

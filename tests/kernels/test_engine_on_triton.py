@@ -12,12 +12,19 @@ from kernels import ops
 PROMPTS = [[0, 647, 16, 555, 579, 301], [0, 401, 637, 680, 596, 12, 13, 14, 15, 16, 17]]
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])
-def test_default_model_greedy_tokens_match_the_reference_path(device, quantization):
-    """int8: the weight-only path (no oneDNN prepacking), so Triton's W8A16 matmul runs."""
+@pytest.mark.parametrize("quantization,kv_cache_dtype",
+                         [(None, "auto"), ("int8", "auto"), (None, "fp8")])
+def test_default_model_greedy_tokens_match_the_reference_path(device, quantization,
+                                                              kv_cache_dtype):
+    """int8: the weight-only path (no oneDNN prepacking), so Triton's W8A16 matmul runs; fp8:
+    Triton's fp8 store and attention against the reference's (a GPU needs sm_89+)."""
+    if (kv_cache_dtype == "fp8" and device.type == "cuda"
+            and torch.cuda.get_device_capability() < (8, 9)):
+        pytest.skip("fp8 KV cache needs compute capability 8.9+")
     llm = LLM(None, dtype="float32", device=device.type, kv_cache_memory_bytes=8 << 20,
               block_size=8, max_num_batched_tokens=12, max_model_len=256, enforce_eager=True,
-              quantization=quantization, cpu_packed_gemm=quantization is None)
+              quantization=quantization, cpu_packed_gemm=quantization is None,
+              kv_cache_dtype=kv_cache_dtype)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
     inputs = [{"prompt_token_ids": p} for p in PROMPTS]
     with ops.backend("reference"):  # the torch references, on CUDA too
@@ -45,4 +52,4 @@ def test_default_model_greedy_tokens_match_the_reference_path(device, quantizati
         for lr, lg in zip(r.outputs[0].logprobs, g.outputs[0].logprobs):
             (tr, vr), (tg, vg) = next(iter(lr.items())), next(iter(lg.items()))
             assert tr == tg and abs(vr - vg) < 1e-3
-    assert torch.isfinite(llm.engine.runner.kv_cache).all()
+    assert torch.isfinite(llm.engine.runner.kv_cache.float()).all()

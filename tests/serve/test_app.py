@@ -45,7 +45,7 @@ def url(model_path):
     main = build_app({**common, "num_workers": 2, "max_batch_size": 16, "batch_wait_ms": 5})
     guarded = build_app({**common, "api_key": API_KEY, "max_waiting_requests": 2,
                          "max_request_body_bytes": 4096, "max_batch_size": 1,
-                         "batch_wait_ms": 0, "quantization": "int8"})
+                         "batch_wait_ms": 0, "quantization": "int8", "kv_cache_dtype": "fp8"})
     broken = build_app({**common, "model": "/nonexistent/model", "worker_num_cpus": 0.5})
     with local_ray() as base:
         serve.run_many([serve.RunTarget(main, name="main", route_prefix="/"),
@@ -101,6 +101,7 @@ def test_health_models_and_request_ids(url, model_path):
     assert [m.id for m in models.data] == [model_path]
     assert [m.model_extra["dtype"] for m in models.data] == ["float32"]  # the dtype in use
     assert [m.model_extra["quantization"] for m in models.data] == [None]
+    assert [m.model_extra["kv_cache_dtype"] for m in models.data] == ["float32"]
     resp = httpx.post(f"{url}/v1/completions", headers={"X-Request-Id": "my-id-1"},
                       json={"prompt": "hi", "max_tokens": 2})
     assert resp.headers.get_list("x-request-id") == ["my-id-1"]
@@ -404,14 +405,16 @@ def test_auth_and_body_limit(url):
     _error(big, 413)
 
 
-def test_int8_app_reports_and_matches_offline_int8(url, model_path):
+def test_int8_fp8_kv_app_reports_and_matches_offline(url, model_path):
     from engine import LLM, SamplingParams
 
     key = {"Authorization": f"Bearer {API_KEY}"}
     card = httpx.get(f"{url}/guarded/v1/models", headers=key).json()["data"][0]
-    assert (card["dtype"], card["quantization"]) == ("float32", "int8")
+    assert (card["dtype"], card["quantization"], card["kv_cache_dtype"]) == \
+        ("float32", "int8", "fp8_e4m3")
     llm = LLM(model=model_path, dtype="float32", max_model_len=MAX_MODEL_LEN,
-              kv_cache_memory_bytes=8 << 20, num_threads=1, quantization="int8")
+              kv_cache_memory_bytes=8 << 20, num_threads=1, quantization="int8",
+              kv_cache_dtype="fp8")
     want = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
     for prompt, exp in zip(PROMPTS, want, strict=True):
         resp = httpx.post(f"{url}/guarded/v1/completions", headers=key, timeout=60,

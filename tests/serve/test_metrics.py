@@ -266,9 +266,10 @@ def test_scrape_agrees_with_the_workload(cluster, workload, model_path):
     assert steps > 0
     replicas = {s.labels["replica"] for s in samples if s.name == P + "num_requests_running"}
     assert len(replicas) == 1 and replicas != {""}
-    info = [(s.labels["dtype"], s.labels["quantization"], s.labels["replica"], s.value)
+    info = [(s.labels["dtype"], s.labels["quantization"], s.labels["kv_cache_dtype"],
+             s.labels["replica"], s.value)
             for s in samples if s.name == P + "model_info" and s.labels["model_name"] == model_path]
-    assert info == [("float32", "none", *replicas, 1.0)]
+    assert info == [("float32", "none", "float32", *replicas, 1.0)]
     # Ray estimates a histogram's _sum from bucket midpoints; its buckets are exact
     sizes = {int(k): v for k, v in work["stats"]["router"]["batch_sizes"].items()}
     assert sum(k * v for k, v in sizes.items()) == work["num_requests"]
