@@ -22,7 +22,7 @@ from engine.cpu_runtime import keep_freed_memory
 from engine.distributed import broadcast_cpu, tp_rank, tp_size
 from engine.envs import configure_kernels
 from engine.kv_cache_tensor import KVCacheTensor, kv_budget_bytes, kv_cache_dtype
-from engine.layers.attention import Attention
+from engine.layers.attention import Attention, expect_kv_scales, finish_kv_scales
 from engine.layers.embedding import ParallelLMHead
 from engine.layers.linear import (
     LinearBase,
@@ -75,9 +75,13 @@ class ModelRunner:
         if checkpoint_quant is not None:
             expect_quantized_linears(model, checkpoint_quant.weight_type,
                                      checkpoint_quant.packed)
+            if checkpoint_quant.kv_scales:
+                expect_kv_scales(model)
         load_weights(model, model_path, progress=progress)
         if checkpoint_quant is not None:
             finish_quantized_linears(model)
+            if checkpoint_quant.kv_scales:
+                finish_kv_scales(model, self.config.cache.kv_cache_dtype != "auto")
         if self.config.model.quantization is not None:
             model.quantize_weights(self.config.model.quantization)
         model.pack_weights()

@@ -7,7 +7,9 @@ repeats one token forever.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -58,12 +60,15 @@ def make_checkpoint(path: str | Path, arch: str = "llama", seed: int = 0,
 COMPRESSED_SCHEMES = ("int8-w8a8", "int8-w8a16", "fp8-w8a8", "fp8-w8a16")
 
 
-def make_compressed_checkpoint(src: str | Path, path: str | Path, scheme: str) -> Path:
+def make_compressed_checkpoint(src: str | Path, path: str | Path, scheme: str,
+                               kv_scales: bool = False) -> Path:
     """The checkpoint at ``src`` quantized with the compressed-tensors library, as
     llm-compressor writes it: the Linear layers' weights 8-bit with one scale per output
     channel (``scheme``: "int8"/"fp8" weights, "w8a8" with dynamic per-token activations or
     "w8a16" weight-only), the LM head left out. Scales are the library's own
-    (``calculate_qparams``) from each channel's min and max."""
+    (``calculate_qparams``) from each channel's min and max. ``kv_scales``: also the fp8 KV
+    cache scheme (one scale per tensor), each attention layer's ``k_scale``/``v_scale`` set to
+    twice the largest |key| (|value|) of a calibration pass over 32 tokens, / 448."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -82,24 +87,70 @@ def make_compressed_checkpoint(src: str | Path, path: str | Path, scheme: str) -
         input_activations=(QuantizationArgs(**args, strategy="token", dynamic=True)
                            if acts == "w8a8" else None))
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
-    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": quant_scheme},
-                                                        ignore=["lm_head"]),
-                              show_progress=False)
-    for module in model.modules():
-        if getattr(module, "quantization_scheme", None) is not None:
-            w = module.weight.detach()
-            scale, zp = calculate_qparams(w.amin(1, keepdim=True).clamp(max=0),
-                                          w.amax(1, keepdim=True).clamp(min=0),
-                                          module.quantization_scheme.weights)
-            module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
-            if hasattr(module, "weight_zero_point"):
-                module.weight_zero_point.data.copy_(zp.reshape(module.weight_zero_point.shape))
-    compressor = ModelCompressor.from_pretrained_model(model)
-    compressor.compress_model(model)
-    path = Path(path)
-    model.save_pretrained(path)
-    compressor.update_config(str(path))
+    kv_amax = _kv_amax(model) if kv_scales else {}
+    kv_scheme = QuantizationArgs(**{**args, "type": "float"}, strategy="tensor")
+    with _attention_recognised(kv_scales):  # from applying the scheme to writing config.json
+        apply_quantization_config(model, QuantizationConfig(
+            config_groups={"group_0": quant_scheme}, ignore=["lm_head"],
+            kv_cache_scheme=kv_scheme if kv_scales else None), show_progress=False)
+        for name, amax in kv_amax.items():
+            model.get_parameter(name).data.fill_(2 * amax / 448)
+        for module in model.modules():
+            if getattr(getattr(module, "quantization_scheme", None), "weights", None) is not None:
+                w = module.weight.detach()
+                scale, zp = calculate_qparams(w.amin(1, keepdim=True).clamp(max=0),
+                                              w.amax(1, keepdim=True).clamp(min=0),
+                                              module.quantization_scheme.weights)
+                module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+                if hasattr(module, "weight_zero_point"):
+                    zero = module.weight_zero_point
+                    zero.data.copy_(zp.reshape(zero.shape))
+        compressor = ModelCompressor.from_pretrained_model(model)
+        compressor.compress_model(model)
+        path = Path(path)
+        model.save_pretrained(path)
+        compressor.update_config(str(path))
     for name in TOKENIZER_FILES:
         if (Path(src) / name).exists():
             shutil.copy(Path(src) / name, path / name)
     return path
+
+
+def _kv_amax(model: torch.nn.Module) -> dict[str, float]:
+    """``<attention>.k_scale``/``v_scale`` -> the largest |output| of its k_proj/v_proj over a
+    forward of 32 token ids."""
+    amax: dict[str, float] = {}
+    hooks = []
+    for name, module in model.named_modules():
+        for proj, scale in (("k_proj", "k_scale"), ("v_proj", "v_scale")):
+            if name.endswith(f".{proj}"):
+                key = f"{name.rsplit('.', 1)[0]}.{scale}"
+                hooks.append(module.register_forward_hook(
+                    lambda m, i, out, key=key: amax.__setitem__(key, out.abs().max().item())))
+    with torch.no_grad():
+        model(torch.arange(1, 33)[None])
+    for h in hooks:
+        h.remove()
+    return amax
+
+
+@contextlib.contextmanager
+def _attention_recognised(on: bool) -> Iterator[None]:
+    """compressed-tensors 0.20 finds attention layers by a ``past_key_values`` parameter of
+    their forward, which transformers 5 renamed ``cache``: recognise them by their k/v
+    projections while the KV scheme is applied, so the library writes the scales itself."""
+    if not on:
+        yield
+        return
+    from compressed_tensors.quantization.lifecycle import apply, initialize
+
+    original = initialize.is_cached_attention_module
+
+    def recognised(module: torch.nn.Module) -> bool:
+        return initialize._is_attention_module(module) and hasattr(module, "k_proj")
+
+    apply.is_cached_attention_module = initialize.is_cached_attention_module = recognised
+    try:
+        yield
+    finally:
+        apply.is_cached_attention_module = initialize.is_cached_attention_module = original

@@ -1,12 +1,19 @@
-"""Paged attention layer: stores this step's K/V into the cache, then attends over it."""
+"""Paged attention layer: stores this step's K/V into the cache, then attends over it; and
+the checkpoint's fp8 KV-cache scales, read into it."""
 
 from __future__ import annotations
+
+import logging
+import math
 
 import torch
 from torch import nn
 
 from engine.context import get_context
+from engine.loader import Loaded, ShardId, as_tensor, set_weight_loader
 from kernels import ops
+
+logger = logging.getLogger(__name__)
 
 
 class Attention(nn.Module):
@@ -37,3 +44,38 @@ class Attention(nn.Module):
         if self.v_scale != 1.0:
             out = out * self.v_scale
         return out.view(-1, self.num_heads * self.head_dim)
+
+
+def _scalar_loader(param: nn.Parameter, loaded: Loaded, shard_id: ShardId = None) -> None:
+    value = as_tensor(loaded)
+    if value.numel() != 1:
+        raise ValueError(f"expected one per-tensor scale, checkpoint gives {tuple(value.shape)}")
+    param.data.copy_(value.reshape(1))
+
+
+def expect_kv_scales(model: nn.Module) -> None:
+    """Before loading a checkpoint with fp8 KV scales: every module holding an ``Attention`` as
+    ``attn`` (the models' ``self_attn``) takes ``k_scale`` and ``v_scale``, the names
+    compressed-tensors writes."""
+    for m in model.modules():
+        if isinstance(getattr(m, "attn", None), Attention):
+            for name in ("k_scale", "v_scale"):
+                param = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
+                set_weight_loader(param, _scalar_loader)
+                m.register_parameter(name, param)
+
+
+def finish_kv_scales(model: nn.Module, fp8_cache: bool) -> None:
+    """After loading: check each scale (finite, positive) and hand it to the layer's
+    ``Attention`` when the cache is fp8; an unquantized cache does not use them (logged)."""
+    for name, m in model.named_modules():
+        if isinstance(getattr(m, "attn", None), Attention) and hasattr(m, "k_scale"):
+            k, v = float(m.k_scale), float(m.v_scale)
+            if not all(math.isfinite(s) and s > 0 for s in (k, v)):
+                raise ValueError(f"{name}: KV-cache scales must be finite and positive, "
+                                 f"got k_scale {k}, v_scale {v}")
+            if fp8_cache:
+                m.attn.k_scale, m.attn.v_scale = k, v
+            del m.k_scale, m.v_scale
+    if not fp8_cache:
+        logger.info("the checkpoint's fp8 KV-cache scales are unused: kv_cache_dtype is auto")

@@ -5,14 +5,15 @@ Supported: one group of schemes over the linear layers, 8-bit symmetric weights 
 per output channel, as int8 (``int-quantized``, or ``pack-quantized``: four values to an int32
 word, what llm-compressor writes for weight-only W8A16; W8A16, or W8A8 with dynamic per-token
 activations) or FP8 E4M3 (``float-quantized``: FP8 W8A16 or W8A8 dynamic), the LM head left
-unquantized (``ignore: [lm_head]``). Anything else is a start-up error naming what is not
-supported. How the weights then run: ``CheckpointQuant``'s fields, and
+unquantized (``ignore: [lm_head]``); and a ``kv_cache_scheme`` of FP8 with one static scale per
+tensor (each attention layer's ``k_scale``/``v_scale``, used by ``kv_cache_dtype="fp8"``).
+Anything else is a start-up error naming what is not supported. How the weights then run: ``CheckpointQuant``'s fields, and
 ``engine.layers.linear.LinearBase.expect_quantized``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 SUPPORTED = ("compressed-tensors with 8-bit symmetric channel-wise weights (int8 or fp8 e4m3) "
@@ -24,6 +25,7 @@ class CheckpointQuant:
     weight_type: str  # "int" (int8 values) or "float" (float8_e4m3fn values)
     activations: str  # "none" (weight-only) or "dynamic-token"
     packed: bool = False  # int8 values four to an int32 word (format "pack-quantized")
+    kv_scales: bool = False  # per-tensor fp8 KV scales (k_scale, v_scale) per attention layer
 
     @property
     def label(self) -> str:
@@ -58,12 +60,25 @@ def parse_checkpoint_quant(raw: object, where: str = "config.json") -> Checkpoin
     if len(schemes) != 1:
         raise ValueError(f"{where}: quantization_config has {len(schemes)} config_groups; "
                          "supported: one group over the linear layers")
-    return _from_scheme(schemes[0], config.format, where)
+    quant = _from_scheme(schemes[0], config.format, where)
+    return replace(quant, kv_scales=_kv_scales(config.kv_cache_scheme, where))
+
+
+def _kv_scales(kv: Any, where: str) -> bool:
+    """Whether the checkpoint carries fp8 KV-cache scales: ``kv_cache_scheme`` absent, or FP8
+    E4M3 with one static symmetric scale per tensor (``k_scale``/``v_scale`` of each attention
+    layer, what vLLM reads); anything else is refused naming it."""
+    if kv is None:
+        return False
+    if not (kv.num_bits == 8 and kv.type == "float" and kv.strategy == "tensor"
+            and kv.symmetric and not kv.dynamic):
+        raise ValueError(f"{where}: quantization_config.kv_cache_scheme "
+                         f"{kv.model_dump(exclude_none=True)} is not supported; supported: "
+                         "8-bit float, strategy tensor, symmetric, static")
+    return True
 
 
 def _check_extras(config: Any, raw: dict[str, Any], where: str) -> None:
-    if config.kv_cache_scheme is not None:
-        raise ValueError(f"{where}: quantization_config.kv_cache_scheme is not supported")
     for key in ("sparsity_config", "transform_config"):
         if raw.get(key):
             raise ValueError(f"{where}: quantization_config.{key} is not supported")

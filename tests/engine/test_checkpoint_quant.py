@@ -6,8 +6,9 @@ gate/up fused, packed int32 words unpacked). Quality against the unquantized che
 the checks of ``test_quantization.py``: int8 with its bounds (0.01 nats, 0.3-nat margins;
 measured 0.004-0.005); FP8 E4M3 has 3 mantissa bits, a relative error per weight about 8x
 int8's, and these models give a mean KL of 0.03-0.04 nats (greedy flips up to 1-nat margins):
-bounds of 0.1 nats and 1.2-nat margins (4 to 8 positions of 64 lead by more). Refusals: every scheme the engine does not run is a
-start-up error naming it.
+bounds of 0.1 nats and 1.2-nat margins (4 to 8 positions of 64 lead by more); with the fp8
+KV scheme's scales used by an fp8 cache, the same bounds. Refusals: every scheme the engine
+does not run is a start-up error naming it.
 """
 
 from __future__ import annotations
@@ -110,8 +111,10 @@ def _config(weights: dict, inputs: dict | None = None, **top) -> dict:
     (_config({"symmetric": False}), "symmetric False"),
     (_config({}, {"num_bits": 8, "type": "int", "strategy": "tensor", "dynamic": False}),
      "dynamic per-token"),
-    (_config({}, kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor"}),
-     "kv_cache_scheme"),
+    (_config({}, kv_cache_scheme={"num_bits": 8, "type": "int", "strategy": "tensor"}),
+     "kv_cache_scheme .* is not supported"),
+    (_config({}, kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "attn_head"}),
+     "kv_cache_scheme .* is not supported"),
     (_config({}, ignore=["lm_head", "model.layers.0.mlp.down_proj"]), "only lm_head"),
     (_config({"type": "float"}), "format 'int-quantized' is not supported for float"),
     ({**_config({}), "config_groups": {}}, "0 config_groups"),
@@ -130,4 +133,44 @@ def test_supported_schemes_parse():
     assert (q.weight_type, q.activations, q.packed, q.label) == \
         ("int", "dynamic-token", False, "compressed-tensors:int8-w8a8")
     q = parse_checkpoint_quant({**_config({}), "format": "pack-quantized"})
-    assert (q.packed, q.label) == (True, "compressed-tensors:int8-w8a16")
+    assert (q.packed, q.label, q.kv_scales) == (True, "compressed-tensors:int8-w8a16", False)
+    q = parse_checkpoint_quant(_config({}, kv_cache_scheme={"num_bits": 8, "type": "float",
+                                                            "strategy": "tensor"}))
+    assert q.kv_scales
+
+
+def test_fp8_kv_scales_are_the_files_and_used_by_an_fp8_cache(source, tmp_path):
+    """A checkpoint with compressed-tensors' fp8 KV scheme: ``kv_cache_dtype="fp8"`` stores
+    key / k_scale and value / v_scale and reads them back scaled, within the bounds of FP8
+    weights (the weights are FP8 too); with ``auto`` the scales are read, checked and unused."""
+    src, ref_llm, ref_tokens = source
+    path = make_compressed_checkpoint(src, tmp_path / "kv", "fp8-w8a8", kv_scales=True)
+    raw = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert raw["kv_cache_scheme"]["strategy"] == "tensor"
+    llm = LLM(str(path), kv_cache_dtype="fp8", **COMMON)
+    layers = llm.engine.runner.model.model.layers
+    with safe_open(path / "model.safetensors", "pt") as f:
+        for i, layer in enumerate(layers):
+            for name in ("k_scale", "v_scale"):
+                want = f.get_tensor(f"model.layers.{i}.self_attn.{name}").float().item()
+                assert getattr(layer.self_attn.attn, name) == want != 1.0
+    assert not hasattr(layers[0].self_attn, "k_scale")  # handed over, not kept as parameters
+    assert_close_to_float(ref_llm, ref_tokens, llm, **BOUNDS["fp8"])
+    plain = LLM(str(path), **COMMON)
+    assert (plain.engine.kv_cache_dtype, plain.engine.runner.model.model.layers[0]
+            .self_attn.attn.k_scale) == ("float32", 1.0)
+
+
+def test_a_bad_kv_scale_is_a_clear_error(source, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = make_compressed_checkpoint(source[0], tmp_path / "bad", "int8-w8a8", kv_scales=True)
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.1.self_attn.v_scale"].fill_(float("inf"))
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="layers.1.self_attn: KV-cache scales must be finite"):
+        LLM(str(path), kv_cache_dtype="fp8", **COMMON)
+    del tensors["model.layers.0.self_attn.k_scale"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="missing tensors: model.layers.0.self_attn.k_scale"):
+        LLM(str(path), **COMMON)
