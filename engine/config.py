@@ -42,13 +42,16 @@ class ModelConfig(_Strict):
         None, ge=1, description="Longest sequence (prompt + output) in tokens; None takes the "
         "model's max_position_embeddings."
     )
-    quantization: Literal["int8"] | None = Field(
+    quantization: Literal["int8", "fp8"] | None = Field(
         None, description="Store the weights in lower precision, quantized at load time from "
         "the checkpoint: 'int8' keeps the linear layers', the embedding's and the LM head's "
         "weights as int8 values with one scale per output channel (row), half the bytes of "
         "bfloat16. On the CPU the products run in int8 with activations quantized per token on "
         "the fly; on CUDA a Triton kernel converts the int8 weights to dtype in registers. "
-        "None: dtype throughout.",
+        "'fp8': the linear layers' weights as FP8 E4M3 with one scale per output channel; "
+        "on GPUs with FP8 tensor cores (8.9+) the products run in FP8 with activations "
+        "quantized per token (torch._scaled_mm), elsewhere the weights are converted to dtype "
+        "on the fly. None: dtype throughout.",
     )
     seed: int = Field(0, description="Seed for the default model and for unseeded sampling.")
 

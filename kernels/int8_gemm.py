@@ -1,7 +1,8 @@
-"""Weight-only int8 matmul for GPUs (W8A16): x [M, K] (bfloat16, float16 or float32) times an
-int8 weight [N, K] with one float32 scale per output channel, the scale (and bias) applied once
-in the epilogue, the int8 tile converted to x's dtype in registers. Decoding reads each weight
-once per step, so int8 weights halve the bytes a decode step moves against bfloat16.
+"""Weight-only int8 or FP8 matmul for GPUs (W8A16): x [M, K] (bfloat16, float16 or float32)
+times an int8 or FP8 E4M3 weight [N, K] (E4M3 on compute capability 8.9+ only) with one
+float32 scale per output channel, the scale (and bias) applied once in the epilogue, the weight
+tile converted to x's dtype in registers. Decoding reads each weight once per step, so 8-bit
+weights halve the bytes a decode step moves against bfloat16.
 
 Tiles: 16 rows for decode-sized M (few rows, wide weights), 64 above; 64 output channels and
 128 inputs per step. Split-K is not done: at 1-16 rows the N/64 programs of a 4096-wide or wider
@@ -19,7 +20,7 @@ from kernels._triton import cdiv, interpreting, tl, triton
 def _w8a16_kernel(
     out_ptr,  # [M, N] x's dtype, rows strided by stride_om
     x_ptr,  # [M, K] rows strided by stride_xm, last dim contiguous
-    w_ptr,  # [N, K] int8, rows strided by stride_wn, last dim contiguous
+    w_ptr,  # [N, K] int8 or fp8 e4m3, rows strided by stride_wn, last dim contiguous
     scale_ptr,  # [N] float32
     bias_ptr,  # [N] x's dtype (unused without HAS_BIAS)
     m, n, k,
@@ -40,7 +41,7 @@ def _w8a16_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k
         x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_cols + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0)
+        w = tl.load(w_cols + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if FP32_DOT:
             acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
@@ -54,12 +55,14 @@ def _w8a16_kernel(
 
 def int8_linear_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                        bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] @ (q [N, K] int8 * scale [N])^T (+ bias) -> [..., N] in x's dtype."""
+    """x [..., K] @ (q [N, K] int8 or fp8 e4m3 * scale [N])^T (+ bias) -> [..., N] in x's
+    dtype."""
     if x.dim() != 2:
         return int8_linear_triton(x.reshape(-1, x.shape[-1]), q, scale, bias).view(
             *x.shape[:-1], -1)
-    if q.dtype != torch.int8 or q.dim() != 2 or q.shape[1] != x.shape[1]:
-        raise ValueError(f"q must be int8 [N, {x.shape[1]}], got {q.dtype} {tuple(q.shape)}")
+    if q.dtype not in (torch.int8, torch.float8_e4m3fn) or q.dim() != 2 or q.shape[1] != x.shape[1]:
+        raise ValueError(f"q must be int8 or fp8 e4m3 [N, {x.shape[1]}], got {q.dtype} "
+                         f"{tuple(q.shape)}")
     if scale.shape != (q.shape[0],) or scale.dtype != torch.float32:
         raise ValueError(f"scale must be float32 [{q.shape[0]}], got {scale.dtype} "
                          f"{tuple(scale.shape)}")

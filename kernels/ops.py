@@ -15,6 +15,7 @@ import torch
 
 from kernels import activation as _act
 from kernels import cpu_kernels as _cpu
+from kernels import fp8_linear as _fp8
 from kernels import int8_gemm as _int8
 from kernels import kv_cache as _kv
 from kernels import paged_attention as _attn
@@ -98,6 +99,19 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     return _quant.int8_linear_ref(x, q, scale, bias)
 
 
+def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """FP8 E4M3 weights: x [..., K] @ (q [N, K] * scale [N])^T (+ bias), in x's dtype. W8A8
+    through ``torch._scaled_mm`` where the GPU has FP8 tensor cores (bfloat16 activations), else
+    weight-only: the Triton W8A16 kernel on CUDA (8.9+: Triton has no E4M3 for older GPUs),
+    the reference elsewhere."""
+    if _use_triton(x) and (not x.is_cuda or torch.cuda.get_device_capability(x.device) >= (8, 9)):
+        if _backend == "auto" and _fp8.scaled_mm_supported(x, q):
+            return _fp8.fp8_linear_scaled(x, q, scale, bias)
+        return _int8.int8_linear_triton(x, q, scale, bias)
+    return _fp8.fp8_linear_ref(x, q, scale, bias)
+
+
 def rotary_embedding(
     positions: torch.Tensor,
     query: torch.Tensor,
@@ -166,6 +180,7 @@ def paged_attention(
 __all__ = [
     "BACKENDS",
     "backend",
+    "fp8_linear",
     "fused_add_rms_norm",
     "get_backend",
     "int8_linear",

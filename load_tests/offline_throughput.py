@@ -580,7 +580,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--torch-profile-batch", type=int, default=64,
                    help="requests (256-token prompts) in the torch-profiled decode steps")
     p.add_argument("--plot", default=None, help="write a bar chart of output tokens/s here")
-    p.add_argument("--quantization", choices=("int8",), default=None,
+    p.add_argument("--quantization", choices=("int8", "fp8"), default=None,
                    help="the engine's linear weights (vLLM and HF run unquantized)")
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                    help="what the engine's KV cache holds (vLLM and HF: their default)")

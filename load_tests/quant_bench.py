@@ -8,7 +8,7 @@ memory, offline output tokens/s on ``offline_throughput.py``'s workload, and dec
 tokens/s at batch 1, 8 and 64 (a batch of 16-token prompts generating ``--decode-tokens``
 tokens, less the same batch's prefill and first token, with fresh prompt ids each time so the
 prefix cache never answers). Variants (``MODES``): the plain dtype, ``quantization=int8``,
-``kv_cache_dtype=fp8`` and both. One JSON line per variant (and one for vLLM), then a summary line
+``quantization=fp8``, ``kv_cache_dtype=fp8`` and int8 with it. One JSON line per variant (and one for vLLM), then a summary line
 with each variant's ratios to the plain dtype, and with ``--plot`` a bar chart of the ratios.
 
     .venv/bin/python load_tests/quant_bench.py --model-size 0.5b --num-prompts 64 \\
@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import offline_throughput as ot  # noqa: E402  (after the path)
 
 # (name, quantization, kv_cache_dtype): the plain dtype first, the baseline of the ratios
-MODES = {"plain": (None, "auto"), "int8": ("int8", "auto"), "fp8-kv": (None, "fp8"),
-         "int8+fp8-kv": ("int8", "fp8")}
+MODES = {"plain": (None, "auto"), "int8": ("int8", "auto"), "fp8": ("fp8", "auto"),
+         "fp8-kv": (None, "fp8"), "int8+fp8-kv": ("int8", "fp8")}
 DECODE_BATCHES = (1, 8, 64)
 
 

@@ -17,9 +17,10 @@ from engine.distributed import all_reduce, divide, tp_rank, tp_size
 from engine.layers import weights
 from engine.loader import Loaded, ShardId, as_tensor, set_weight_loader, shard
 from kernels import quant_linear
+from kernels.fp8_linear import quantize_fp8
 from kernels.quant_linear import Int8Packed
 
-QUANTIZATION_METHODS = ("int8",)
+QUANTIZATION_METHODS = ("int8", "fp8")
 
 
 def _copy_checked(param: torch.Tensor, part: Loaded, name: str) -> None:
@@ -49,18 +50,19 @@ class LinearBase(nn.Module):
         self.int8: Int8Packed | None = None  # int8 prepacked for oneDNN (CPU)
 
     def quantize(self, method: str) -> None:
-        """After loading: keep the weight as ``method`` (``QUANTIZATION_METHODS``): int8 values
-        with one float32 scale per output channel of this rank's shard. A layer already
-        quantized (from its checkpoint) stays as it is."""
+        """After loading: keep the weight as ``method`` (``QUANTIZATION_METHODS``): int8 or FP8
+        E4M3 values with one float32 scale per output channel of this rank's shard. A layer
+        already quantized (from its checkpoint) stays as it is."""
         if method not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {method!r}")
         if self.quantization is None:
-            self._set_int8(*quant_linear.quantize_int8(self.weight))
+            quantize = quant_linear.quantize_int8 if method == "int8" else quantize_fp8
+            self._set_quantized(*quantize(self.weight))
 
-    def _set_int8(self, q: torch.Tensor, scale: torch.Tensor) -> None:
+    def _set_quantized(self, q: torch.Tensor, scale: torch.Tensor) -> None:
         self.weight = nn.Parameter(q, requires_grad=False)
         self.weight_scale = nn.Parameter(scale.float().to(q.device), requires_grad=False)
-        self.quantization = "int8"
+        self.quantization = "int8" if q.dtype == torch.int8 else "fp8"
 
     def expect_quantized(self, weight_dtype: torch.dtype, packed: bool = False) -> None:
         """Before loading a quantized checkpoint: the weight as stored there (int8 or
@@ -103,11 +105,9 @@ class LinearBase(nn.Module):
 
             q = unpack_from_int32(words.data, 8, torch.Size((words.shape[0], words.shape[1] * 4)))
             del self.weight_packed
-            self._set_int8(q, flat)
-        elif self.weight.dtype == torch.int8:
-            self._set_int8(self.weight.data, flat)
-        else:
-            self._set_int8(*quant_linear.quantize_int8(self.weight.data.float() * flat[:, None]))
+            self._set_quantized(q, flat)
+        else:  # int8 or FP8 values, kept as the file has them
+            self._set_quantized(self.weight.data, flat)
 
     def pack_weights(self) -> None:
         """After loading: on CPUs that support it, keep the weight in oneDNN's layout only."""

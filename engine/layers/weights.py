@@ -1,9 +1,11 @@
 """How a layer with a [out, in] weight multiplies: shared by the linear layers and the LM head.
 
-A layer keeps its weight in one of four forms, chosen after loading (``prepack``): prepacked
-int8 for oneDNN (``int8``, with its scales), int8 with ``weight_scale`` (the Triton W8A16 kernel
-on CUDA, else the weight-only reference), prepacked in its dtype for oneDNN (``packed``), or
-plain (``F.linear``). ``matmul`` runs whichever it holds.
+A layer keeps its weight in one of five forms, chosen after loading (``prepack``): prepacked
+int8 for oneDNN (``int8``, with its scales; FP8 weights are requantized to int8 for it, the
+CPU having no FP8 product), int8 with ``weight_scale`` (the Triton W8A16 kernel
+on CUDA, else the weight-only reference), FP8 E4M3 with ``weight_scale`` (``ops.fp8_linear``),
+prepacked in its dtype for oneDNN (``packed``), or plain (``F.linear``). ``matmul`` runs
+whichever it holds.
 """
 
 from __future__ import annotations
@@ -33,7 +35,10 @@ def prepack(layer: MatmulWeights, keep_plain: bool = False) -> None:
     embedding shares)."""
     if layer.weight_scale is not None:
         if layer.int8 is None and quant_linear.cpu_supported(layer.weight):
-            layer.int8 = quant_linear.pack_int8(layer.weight, layer.weight_scale)
+            q, scale = layer.weight.data, layer.weight_scale.data
+            if q.dtype == torch.float8_e4m3fn:  # oneDNN has no FP8 product: requantized
+                q, scale = quant_linear.quantize_int8(q.float() * scale[:, None])
+            layer.int8 = quant_linear.pack_int8(q, scale)
             if not keep_plain:
                 layer.weight.data = layer.weight.data.new_empty(0)
     elif layer.packed is None:
@@ -45,6 +50,8 @@ def matmul(layer: MatmulWeights, x: torch.Tensor, bias: torch.Tensor | None) -> 
     if layer.int8 is not None:
         return quant_linear.int8_linear(x, layer.int8, bias)
     if layer.weight_scale is not None:  # Triton on CUDA, else the reference
+        if layer.weight.dtype == torch.float8_e4m3fn:
+            return ops.fp8_linear(x, layer.weight, layer.weight_scale, bias)
         return ops.int8_linear(x, layer.weight, layer.weight_scale, bias)
     if layer.packed is not None:
         return cpu_gemm.packed_linear(x, layer.packed, bias)

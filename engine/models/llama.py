@@ -112,8 +112,11 @@ class LlamaForCausalLM(CausalLM):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def quantize_weights(self, method: str) -> None:
-        """After loading: the linear layers, the embedding and the LM head to ``method``."""
+        """After loading: the linear layers to ``method``; with int8 the embedding and the LM
+        head too (FP8 leaves them in dtype, as vLLM does)."""
         quantize_linears(self, method)
+        if method != "int8":
+            return
         self.model.embed_tokens.quantize()
         if self.cfg.tie_word_embeddings:  # the same parameter, already int8
             self.lm_head.weight_scale = self.model.embed_tokens.weight_scale

@@ -191,6 +191,31 @@ static inline __m512 reduce16(const __m512 *v) {
                          _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+#ifdef __AVX512BF16__
+/* n rows of D fp8 E4M3 values (src_stride bytes apart) as bfloat16, D apart, at dst: exact (its
+ * 3 mantissa bits and range fit bfloat16). D % 32 == 0. */
+static void fp8_rows_to_bf16(uint16_t *dst, const char *src, int n, size_t src_stride, int D) {
+    /* In 16-bit lanes: a normal value's exponent rebiased (7 -> 127) by an integer add, the 7
+     * subnormals (m * 2^-9) from a table, NaN kept, the sign moved up. */
+    static const uint16_t subnormal[32] = {0, 0x3b00, 0x3b80, 0x3bc0, 0x3c00, 0x3c20, 0x3c40,
+                                           0x3c60};
+    const __m512i table = _mm512_loadu_si512(subnormal);
+    for (int t = 0; t < n; t++)
+        for (int d = 0; d < D; d += 32) {
+            const __m512i x = _mm512_cvtepu8_epi16(
+                _mm256_loadu_si256((const __m256i *)(src + (size_t)t * src_stride + d)));
+            const __m512i mag = _mm512_and_si512(x, _mm512_set1_epi16(0x7f));
+            __m512i r = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
+            r = _mm512_mask_mov_epi16(r, _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8)),
+                                      _mm512_permutexvar_epi16(mag, table));
+            r = _mm512_mask_mov_epi16(r, _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7f)),
+                                      _mm512_set1_epi16(0x7fc0));
+            r = _mm512_or_si512(r, _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x80)), 8));
+            _mm512_storeu_si512(dst + (size_t)t * D + d, r);
+        }
+}
+#endif
+
 /* Where accumulator i of the bfloat16 value path belongs: its vectors pair keys t, t+1 with
  * 16-bit unpacks, which interleave within 128-bit lanes. Vector j = 2 c2 + e (e = 0: unpacklo,
  * 1: unpackhi) of the 32 elements of half c2, lane k: d = 32 c2 + 8 (k / 4) + 4 e + k % 4. */
@@ -202,7 +227,8 @@ static inline int permuted_d(int i) {
 /* The decode path (one query row) for D = 16 * DC: keys in groups of 16, the 16 dot products of
  * a head reduced together (reduce16), the softmax on that vector, and values accumulated with
  * HG heads' accumulators held in registers. On CPUs with AVX512-BF16, bfloat16 scores come from
- * dot-product instructions on the cached keys as they are. */
+ * dot-product instructions on the cached keys as they are (an fp8 cache's chunk converted to
+ * bfloat16 first, once per kv head). */
 static inline __attribute__((always_inline)) void attend_row_dc(
     const Item *it, Scratch *w, void *out, const void *query, const char *k_cache,
     const char *v_cache, const int32_t *table, int64_t pos, int num_q_heads, int num_kv_heads,
@@ -242,9 +268,18 @@ static inline __attribute__((always_inline)) void attend_row_dc(
             for (int kvh = it->kvh0; kvh < it->kvh1; kvh++) {
                 const size_t base = ((size_t)blk * block_stride + (size_t)c0 * token_stride + (size_t)kvh * D) * kes;
                 const char *kb = k_cache + base, *vb = v_cache + base;
+                size_t kv_row = (size_t)token_stride * kes; /* bytes from one key to the next */
                 int direct = 0;
 #ifdef __AVX512BF16__
-                direct = dtype == 1 && kv_dtype == 1;
+                direct = dtype == 1 && kv_dtype != 0;
+                if (direct && kv_dtype == 2) { /* the chunk's fp8 keys and values as bfloat16 */
+                    uint16_t *kb16 = (uint16_t *)w->kbuf, *vb16 = kb16 + (size_t)16 * D;
+                    fp8_rows_to_bf16(kb16, kb, n, kv_row, D);
+                    fp8_rows_to_bf16(vb16, vb, n, kv_row, D);
+                    kb = (const char *)kb16;
+                    vb = (const char *)vb16;
+                    kv_row = (size_t)2 * D;
+                }
 #endif
                 if (!direct)
                     load_tokens(w->kbuf, kb, n, token_stride * kes, D, kv_dtype);
@@ -258,9 +293,9 @@ static inline __attribute__((always_inline)) void attend_row_dc(
                         for (int t = 0; t < 16; t++) {
                             dv[t] = _mm512_setzero_ps();
                             if (t >= n) continue;
-                            const uint16_t *kr = (const uint16_t *)(kb + (size_t)t * token_stride * kes);
+                            const char *kr = kb + (size_t)t * kv_row;
                             for (int c = 0; c < DC / 2; c++)
-                                dv[t] = _mm512_dpbf16_ps(dv[t], qb[c], (__m512bh)_mm512_loadu_si512(kr + 32 * c));
+                                dv[t] = _mm512_dpbf16_ps(dv[t], qb[c], (__m512bh)_mm512_loadu_si512(kr + 64 * c));
                         }
 #endif
                     } else {
@@ -301,7 +336,7 @@ static inline __attribute__((always_inline)) void attend_row_dc(
                 }
 #ifdef __AVX512BF16__
                 if (direct) { /* acc += p V with bfloat16 pairs of keys (see permuted_d) */
-                    static const uint16_t zero_row[256];
+                    static const char zero_row[512];
                     for (int hb = kvh * group; hb < (kvh + 1) * group; hb += HG) {
                         const int nh = (kvh + 1) * group - hb < HG ? (kvh + 1) * group - hb : HG;
                         __m512 a[16];
@@ -313,10 +348,11 @@ static inline __attribute__((always_inline)) void attend_row_dc(
                                 pp[hh][t / 2] = (uint32_t)f32_to_bf16(ps[t]) | ((uint32_t)f32_to_bf16(ps[t + 1]) << 16);
                         }
                         for (int t = 0; t < n; t += 2) {
-                            const uint16_t *r0 = (const uint16_t *)(vb + (size_t)t * token_stride * kes);
-                            const uint16_t *r1 = t + 1 < n ? (const uint16_t *)(vb + (size_t)(t + 1) * token_stride * kes) : zero_row;
+                            const char *r0 = vb + (size_t)t * kv_row;
+                            const char *r1 = t + 1 < n ? vb + (size_t)(t + 1) * kv_row : zero_row;
                             for (int c2 = 0; c2 < DC / 2; c2++) {
-                                const __m512i x = _mm512_loadu_si512(r0 + 32 * c2), y = _mm512_loadu_si512(r1 + 32 * c2);
+                                const __m512i x = _mm512_loadu_si512(r0 + 64 * c2);
+                                const __m512i y = _mm512_loadu_si512(r1 + 64 * c2);
                                 const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x, y);
                                 const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
                                 for (int hh = 0; hh < nh; hh++) {
@@ -355,7 +391,7 @@ static inline __attribute__((always_inline)) void attend_row_dc(
     char *out_row = (char *)out + (size_t)it->row0 * out_stride_t * es;
     int permuted = 0;
 #ifdef __AVX512BF16__
-    permuted = dtype == 1 && kv_dtype == 1;
+    permuted = dtype == 1 && kv_dtype != 0;
 #endif
     for (int h = h0; h < h1; h++) {
         const float inv = w->l[h] > 0.0f ? 1.0f / w->l[h] : 0.0f;

@@ -155,3 +155,26 @@ def test_fp8_kv_cache_holds_twice_bfloat16s_blocks(float_run):
 def test_fp8_kv_cache_setting_is_checked():
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM(None, kv_cache_dtype="fp8_e5m2")
+
+
+# FP8 E4M3 weights: 3 mantissa bits, the bounds of FP8 checkpoints (test_checkpoint_quant.py)
+FP8_WEIGHTS = dict(mean_kl=0.1, margin=1.2, min_clear=4)
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["requantized-int8", "fp8-reference"])
+def test_fp8_weights_greedy_tokens_and_kl_close_to_float(float_run, packed):
+    """``quantization="fp8"``: the linear layers' weights FP8 per channel (the embedding and LM
+    head left in dtype); on the CPU oneDNN runs them requantized to int8, else the weight-only
+    FP8 reference."""
+    path, ref_llm, ref_tokens = float_run
+    llm = LLM(str(path), quantization="fp8", cpu_packed_gemm=packed, **COMMON)
+    model = llm.engine.runner.model
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    assert linears and all(m.quantization == "fp8" for m in linears)
+    if packed and torch.backends.mkldnn.is_available():
+        assert all(m.int8 is not None and m.weight.numel() == 0 for m in linears)
+    else:
+        assert all(m.weight.dtype == torch.float8_e4m3fn for m in linears)
+    assert model.model.embed_tokens.weight_scale is None and model.lm_head.weight_scale is None
+    assert llm.engine.quantization == "fp8"
+    assert_close_to_float(ref_llm, ref_tokens, llm, **FP8_WEIGHTS)

@@ -15,7 +15,7 @@ Llama-3-8B (32 query heads, 8 kv heads, head size 128) and Qwen2.5-0.5B (14, 2, 
 Llama-3-8B's decode at contexts of 1k, 8k and 128k tokens (which must launch the same variants:
 lengths and the split count are runtime values); fp8 KV caches read by each dtype at both models' shapes; the KV store (and its fp8 variant), RMSNorm (with and without the
 residual), rotary, SiLU-and-multiply and the weight-only int8 matmul (decode and prefill rows,
-with and without bias) at those models' sizes. Run in a process without ``TRITON_INTERPRET``
+with and without bias; FP8 weights too) at those models' sizes. Run in a process without ``TRITON_INTERPRET``
 (the interpreter has no compiler).
 """
 
@@ -137,6 +137,8 @@ def _small_ops(dtype: torch.dtype, hq: int, hk: int, d: int, hidden: int, inter:
     for rows in (t, 100):  # a decode step's rows, a prefill chunk's
         int8_linear_triton(torch.zeros(rows, hidden, dtype=dtype), q, scale, None)
     int8_linear_triton(x, q, scale, torch.zeros(inter, dtype=dtype))  # qkv bias (Qwen2)
+    for rows in (t, 100):  # FP8 weights (quantization="fp8" where _scaled_mm does not run)
+        int8_linear_triton(torch.zeros(rows, hidden, dtype=dtype), q.to(FP8), scale, None)
 
 
 def scenarios() -> Iterator[tuple[str, Callable[[], None]]]:
