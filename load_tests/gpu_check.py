@@ -17,7 +17,8 @@ FAIL:
 4. ``performance``: decode ms per step with CUDA graphs at batch 1-256 and contexts 1k and 8k,
    as a fraction of the HBM floor (weights + KV bytes read per step at the measured copy
    bandwidth); tokens/s against Hugging Face ``generate`` on the same workload; decode with
-   ``quantization=int8`` (the Triton W8A16 matmul) at the first two shapes and with
+   ``quantization=int8`` (the Triton W8A16 matmul) and ``quantization=fp8`` (W8A8 through
+   ``torch._scaled_mm``) at the first two shapes and with
    ``kv_cache_dtype=fp8`` at the 8k-context ones against the plain dtype (with the KV blocks
    each gets). Goals, reported
    as checks: batch-1 decode within 1.25x of the floor, 10x HF or more. (Paged attention
@@ -296,6 +297,8 @@ def performance(c: Check) -> dict[str, Any]:
     long = [i for i, (_, n) in enumerate(shapes) if n == max(n for _, n in shapes)][:2]
     data["int8_decode"] = _variant_rows(path, plain, rows, [0, 1], new, c, "int8",
                                         {"quantization": "int8"})
+    data["fp8_decode"] = _variant_rows(path, plain, rows, [0, 1], new, c, "fp8",
+                                       {"quantization": "fp8"})
     data["fp8_kv_decode"] = _variant_rows(path, plain, rows, long, new, c, "fp8_kv",
                                           {"kv_cache_dtype": "fp8"}, plain_blocks)
     failures = []

@@ -35,6 +35,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert perf["vs_hf"]["engine_tok_s"] > 0 and perf["vs_hf"]["hf_tok_s"] > 0
     assert [r["batch"] for r in perf["int8_decode"]] == [1, 4]
     assert all(r["speedup_vs_plain"] > 0 for r in perf["int8_decode"])
+    assert [r["batch"] for r in perf["fp8_decode"]] == [1, 4]
     # fp8 KV on the dry run's float32 engine: a quarter of the bytes per block, from 64 MiB each
     assert [(r["batch"], r["kv_blocks_vs_plain"]) for r in perf["fp8_kv_decode"]] == \
         [(1, 4.0), (4, 4.0)]
