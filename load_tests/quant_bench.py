@@ -8,8 +8,12 @@ memory, offline output tokens/s on ``offline_throughput.py``'s workload, and dec
 tokens/s at batch 1, 8 and 64 (a batch of 16-token prompts generating ``--decode-tokens``
 tokens, less the same batch's prefill and first token, with fresh prompt ids each time so the
 prefix cache never answers). Variants (``MODES``): the plain dtype, ``quantization=int8``,
-``quantization=fp8``, ``kv_cache_dtype=fp8`` and int8 with it. One JSON line per variant (and one for vLLM), then a summary line
-with each variant's ratios to the plain dtype, and with ``--plot`` a bar chart of the ratios.
+``quantization=fp8``, ``kv_cache_dtype=fp8`` and int8 with it. All variants' engines are held
+at once and measured in turn, ``--rounds`` times with the order rotated, and each figure is
+the median of its rounds (a 2-core machine's speed drifts by 20% over minutes); each engine
+(and vLLM) gets a 1 GiB KV cache unless ``--kv-cache-gib`` says otherwise. One JSON line per
+variant (and one for vLLM), then a summary line with each variant's ratios to the plain dtype,
+and with ``--plot`` a bar chart of the ratios.
 
     .venv/bin/python load_tests/quant_bench.py --model-size 0.5b --num-prompts 64 \\
         --vllm-python /tmp/vllm-venv/bin/python --plot docs/quant_bench.png
@@ -25,6 +29,7 @@ import argparse
 import gc
 import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -63,23 +68,42 @@ def decode_tok_s(llm, batch: int, new_tokens: int, seed: int, context: int = 16,
     return batch * new_tokens / max(full - first, 1e-9)
 
 
-def run_engine(path: Path, wl: ot.Workload, args, mode: str) -> dict:
+def open_engine(path: Path, args, mode: str) -> tuple[ot.EngineBackend, dict]:
+    """An engine for ``mode`` and what it holds (weight bytes, KV blocks)."""
     from engine.model_runner import weight_bytes
 
     args.quantization, args.kv_cache_dtype = MODES[mode]
     backend = ot.EngineBackend(path, args)
     llm = backend.llm
-    res = {"variant": args.dtype if mode == "plain" else mode, "dtype": args.dtype,
-           "quantization": args.quantization, "kv_cache_dtype": llm.engine.kv_cache_dtype,
-           "weight_bytes": weight_bytes(llm.engine.runner.model),
-           "kv_blocks": llm.engine.runner.num_blocks}
-    elapsed, _ = backend.generate(wl)
-    res["output_tok_s"] = round(wl.output_tokens / elapsed, 2)
-    for b in DECODE_BATCHES:
-        res[f"decode_tok_s_b{b}"] = round(decode_tok_s(llm, b, args.decode_tokens, seed=b), 2)
-    backend.close()
+    return backend, {"variant": args.dtype if mode == "plain" else mode, "dtype": args.dtype,
+                     "quantization": args.quantization,
+                     "kv_cache_dtype": llm.engine.kv_cache_dtype,
+                     "weight_bytes": weight_bytes(llm.engine.runner.model),
+                     "kv_blocks": llm.engine.runner.num_blocks}
+
+
+def run_engines(path: Path, wl: ot.Workload, args, modes: list[str], rounds: int) -> list[dict]:
+    """Every variant's engine held at once and measured in turn, ``rounds`` times, each round
+    starting one variant later (so a drift of the machine's speed falls on all of them); each
+    figure is the median of its rounds."""
+    engines = [open_engine(path, args, mode) for mode in modes]
+    times: list[dict[str, list[float]]] = [{} for _ in modes]
+    for r in range(rounds):
+        for i in [(r + j) % len(modes) for j in range(len(modes))]:
+            backend, _ = engines[i]
+            elapsed, _ = backend.generate(wl)
+            times[i].setdefault("output_tok_s", []).append(wl.output_tokens / elapsed)
+            for b in DECODE_BATCHES:
+                times[i].setdefault(f"decode_tok_s_b{b}", []).append(
+                    decode_tok_s(backend.llm, b, args.decode_tokens, seed=b * 31 + r))
+    runs = []
+    for (backend, res), measured in zip(engines, times):
+        res.update({k: round(statistics.median(v), 2) for k, v in measured.items()})
+        res["rounds"] = rounds
+        backend.close()
+        runs.append(res)
     gc.collect()
-    return res
+    return runs
 
 
 def summary(runs: list[dict], vllm: dict | None) -> dict:
@@ -124,23 +148,24 @@ def main(argv=None) -> None:
     own = argparse.ArgumentParser(add_help=False)  # the rest are offline_throughput.py's
     own.add_argument("--decode-tokens", type=int, default=32)
     own.add_argument("--plot", default=None, help="a bar chart of the ratios (PNG)")
+    own.add_argument("--rounds", type=int, default=2, help="measurements of each variant")
     own.add_argument("--modes", default=",".join(MODES),
                      help=f"engine variants, the first the baseline (of {', '.join(MODES)})")
     mine, rest = own.parse_known_args(argv)
     backends = "engine,vllm" if "--vllm-python" in rest else "engine"
     args = ot.parse_args(["--backends", backends, *rest])
     args.decode_tokens = mine.decode_tokens
+    if not any(a.startswith("--kv-cache-gib") for a in rest):
+        args.kv_cache_gib = 1  # every variant's engine is held at once
     plot_path = mine.plot
     ot.apply_isa_cap(args.isa)
     ot.resolve_cpu(args)
     path = ot.checkpoint_path(args.model_size)
     wl = ot.make_workload(args.num_prompts, args.seed, tuple(args.prompt_len),
                           tuple(args.output_len))
-    runs = []
-    for mode in mine.modes.split(","):
-        res = {**run_engine(path, wl, args, mode), "model": args.model_size, "cpu": args.cpu,
-               "num_prompts": args.num_prompts}
-        runs.append(res)
+    runs = [{**res, "model": args.model_size, "cpu": args.cpu, "num_prompts": args.num_prompts}
+            for res in run_engines(path, wl, args, mine.modes.split(","), mine.rounds)]
+    for res in runs:
         print(json.dumps(res), flush=True)
     vllm = None
     if "vllm" in args.backends:

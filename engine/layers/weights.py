@@ -35,7 +35,7 @@ def prepack(layer: MatmulWeights, keep_plain: bool = False) -> None:
     embedding shares)."""
     if layer.weight_scale is not None:
         if layer.int8 is None and quant_linear.cpu_supported(layer.weight):
-            q, scale = layer.weight.data, layer.weight_scale.data
+            q, scale = layer.weight, layer.weight_scale
             if q.dtype == torch.float8_e4m3fn:  # oneDNN has no FP8 product: requantized
                 q, scale = quant_linear.quantize_int8(q.float() * scale[:, None])
             layer.int8 = quant_linear.pack_int8(q, scale)

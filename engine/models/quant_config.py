@@ -7,8 +7,8 @@ word, what llm-compressor writes for weight-only W8A16; W8A16, or W8A8 with dyna
 activations) or FP8 E4M3 (``float-quantized``: FP8 W8A16 or W8A8 dynamic), the LM head left
 unquantized (``ignore: [lm_head]``); and a ``kv_cache_scheme`` of FP8 with one static scale per
 tensor (each attention layer's ``k_scale``/``v_scale``, used by ``kv_cache_dtype="fp8"``).
-Anything else is a start-up error naming what is not supported. How the weights then run: ``CheckpointQuant``'s fields, and
-``engine.layers.linear.LinearBase.expect_quantized``.
+Anything else is a start-up error naming what is not supported. How the weights then run:
+``CheckpointQuant``'s fields, and ``engine.layers.linear.LinearBase.expect_quantized``.
 """
 
 from __future__ import annotations

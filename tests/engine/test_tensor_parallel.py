@@ -81,7 +81,7 @@ def test_tp2_matches_tp1(ckpts, name):
     assert rank_children() == []
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int8-w8a16", "fp8-w8a8"])
+@pytest.mark.parametrize("scheme", ["int8", "fp8+fp8-kv", "int8-w8a16", "fp8-w8a8"])
 def test_tp2_quantized_close_to_tp1(ckpts, scheme, tmp_path):
     """Quantized weights shard with their scales. Not bit-equal to one rank: a row-parallel
     layer's activations are quantized per rank over their half of the inputs (and load-time
@@ -92,6 +92,8 @@ def test_tp2_quantized_close_to_tp1(ckpts, scheme, tmp_path):
     path, extra = ckpts["llama"], {}
     if scheme == "int8":
         extra = {"quantization": "int8"}
+    elif scheme == "fp8+fp8-kv":  # each rank stores and reads its own kv heads in fp8
+        extra = {"quantization": "fp8", "kv_cache_dtype": "fp8"}
     else:
         path = make_compressed_checkpoint(path, tmp_path / scheme, scheme)
     ref = generate(LLM(str(path), **ENGINE, **extra))
