@@ -26,10 +26,14 @@ DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
 def kv_budget_bytes(cache: CacheConfig, device: torch.device,
-                    profile_forward: Callable[[], None]) -> int:
+                    profile_forward: Callable[[], None],
+                    profile_graphs: Callable[[], None] | None = None) -> int:
     """The bytes the cache may take: ``kv_cache_memory_bytes`` when set; on the CPU 1 GiB; on
-    CUDA what is left of ``gpu_memory_utilization`` of the device after the weights and the
-    activation peak of ``profile_forward`` (a forward over a full token budget)."""
+    CUDA what is left of ``gpu_memory_utilization`` of the device after what is in use (the
+    weights, and NCCL's buffers, allocated when its group started), the activation peak of
+    ``profile_forward`` (a forward over a full token budget and the heaviest sampling of its
+    logits) and, with CUDA graphs, the pool they will keep: the peak of ``profile_graphs`` (the
+    largest captured batch's forward)."""
     if cache.kv_cache_memory_bytes is not None:
         return cache.kv_cache_memory_bytes
     if device.type != "cuda":
@@ -40,7 +44,14 @@ def kv_budget_bytes(cache: CacheConfig, device: torch.device,
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
     activation_peak = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
-    return int(total * cache.gpu_memory_utilization - (total - free) - activation_peak)
+    graph_pool = 0
+    if profile_graphs is not None:
+        torch.cuda.reset_peak_memory_stats()
+        profile_graphs()
+        graph_pool = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
+        torch.cuda.empty_cache()
+    return int(total * cache.gpu_memory_utilization - (total - free) - activation_peak
+               - graph_pool)
 
 
 def kv_cache_dtype(cache: CacheConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:

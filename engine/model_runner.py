@@ -29,7 +29,7 @@ from engine.layers.linear import (
     expect_quantized_linears,
     finish_quantized_linears,
 )
-from engine.layers.sampler import Sampler, SamplerOutput
+from engine.layers.sampler import Sampler, SamplerOutput, sample_peak
 from engine.loader import load_weights
 from engine.models.hf_config import HFConfig
 from engine.models.registry import CausalLM, model_class
@@ -57,7 +57,8 @@ class ModelRunner:
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.kv = KVCacheTensor(self.attn_layers, self.block_size,
                                 kv_cache_dtype(config.cache, dtype, device), device)
-        budget = kv_budget_bytes(config.cache, device, self._profile_run)
+        budget = kv_budget_bytes(config.cache, device, self._profile_run,
+                                 self._profile_graph_pool if self._use_graphs() else None)
         self.num_blocks = self.kv.allocate(budget, max_model_len)
         self.sampler = Sampler(config.model.seed, device) if tp_rank() == 0 else None
         self.graphs = self._capture_graphs() if self._use_graphs() else None
@@ -106,10 +107,11 @@ class ModelRunner:
         """The KV-cache tensor (None while released)."""
         return self.kv.tensor
 
-    def _profile_run(self) -> None:
-        """One forward over a full token budget, on a throw-away cache just big enough, to
-        measure the activation memory a step can take."""
-        n = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+    def _profile_run(self, tokens: int | None = None, sample: bool = True) -> None:
+        """One forward over a full token budget (or ``tokens``), on a throw-away cache just big
+        enough, then the heaviest sampling of its logits: the activation memory a step can
+        take."""
+        n = tokens or min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
         num_blocks = -(-n // self.block_size)
         self.kv.bind(num_blocks)
         dev = self.device
@@ -122,9 +124,17 @@ class ModelRunner:
         ids = torch.zeros(n, dtype=torch.long, device=dev)
         with torch.inference_mode(), set_context(meta):
             hidden = self.model(ids, torch.arange(n, device=dev))
-            self.model.compute_logits(hidden[-self.config.scheduler.max_num_seqs :])
-        del hidden
+            logits = self.model.compute_logits(hidden[-self.config.scheduler.max_num_seqs :])
+            if logits is not None and sample:
+                sample_peak(logits)
+        del hidden, logits
         self.kv.release()
+
+    def _profile_graph_pool(self) -> None:
+        """The forward the largest CUDA graph captures (its pool keeps that much)."""
+        from engine.cuda_graphs import batch_buckets
+
+        self._profile_run(batch_buckets(self.config.scheduler.max_num_seqs)[-1], sample=False)
 
     def _use_graphs(self) -> bool:
         return self.device.type == "cuda" and not self.config.device.enforce_eager

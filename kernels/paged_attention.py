@@ -163,7 +163,7 @@ def _paged_attention_kernel(
     seq = q_block if DECODE else find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    local = q_block - (q_start // BLOCK_Q + seq)
+    local = 0 if DECODE else q_block - (q_start // BLOCK_Q + seq)  # query block in the seq
     if local * BLOCK_Q >= q_len:  # slack program past this sequence's query blocks
         return
     seq_len = tl.load(seq_lens_ptr + seq)

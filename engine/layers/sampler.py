@@ -146,3 +146,15 @@ def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     mask |= before >= top_p.unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def sample_peak(logits: torch.Tensor) -> torch.Tensor:
+    """The temporaries of the heaviest sampling step for ``logits`` [rows, vocab]: float32
+    logprobs held through top-k, top-p and min-p filtering of every row (a full sort of the
+    vocabulary), softmax and noise. For the KV budget's profiling forward; returns the ids."""
+    logits = logits.float()
+    raw = torch.log_softmax(logits, dim=-1)  # noqa: F841  (held to the end, as logprobs are)
+    params = [SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05)] * len(logits)
+    probs = torch.softmax(_top_k_top_p(logits / 0.7, params), dim=-1)
+    probs = probs.masked_fill(probs < 0.05 * probs.amax(dim=-1, keepdim=True), 0.0)
+    return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)

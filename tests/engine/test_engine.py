@@ -273,7 +273,9 @@ def test_memory_profiling_forward_runs_over_a_full_token_budget(ckpt):
     llm = LLM(ckpt, dtype="float32", kv_cache_memory_bytes=1 << 20, block_size=8,
               max_num_batched_tokens=300)
     runner = llm.engine.runner
-    runner._profile_run()
+    runner._profile_run()  # with the heaviest sampling of its logits
+    assert runner.kv_cache is None
+    runner._profile_graph_pool()  # the largest CUDA-graph batch's forward (decode-sized)
     assert runner.kv_cache is None
     runner.kv.bind(runner.num_blocks)
     out = llm.generate(as_inputs(PROMPTS[:1]), GREEDY, use_tqdm=False)
