@@ -17,7 +17,7 @@ import torch
 
 from engine.config import CacheConfig
 from engine.distributed import all_reduce_min
-from kernels.kv_cache import FP8_KV_DTYPE
+from kernels.fp8_linear import FP8, fp8_capable
 
 if TYPE_CHECKING:
     from engine.layers.attention import Attention
@@ -59,12 +59,12 @@ def kv_cache_dtype(cache: CacheConfig, dtype: torch.dtype, device: torch.device)
     without fp8 (compute capability below 8.9, where Triton has no E4M3 type)."""
     if cache.kv_cache_dtype == "auto":
         return dtype
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+    if not fp8_capable(device):
         major, minor = torch.cuda.get_device_capability(device)
         raise ValueError(f"kv_cache_dtype={cache.kv_cache_dtype!r} needs a GPU of compute "
                          f"capability 8.9 or newer (Ada, Hopper); this one is {major}.{minor}: "
                          "use kv_cache_dtype='auto'")
-    return FP8_KV_DTYPE
+    return FP8
 
 
 class KVCacheTensor:

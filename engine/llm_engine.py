@@ -68,8 +68,6 @@ class LLMEngine:
         # how the weights are kept: the quantization setting, else the checkpoint's own
         self.quantization = config.model.quantization or (
             self.hf.quantization.label if self.hf.quantization else None)
-        self.kv_cache_dtype = ("fp8_e4m3" if config.cache.kv_cache_dtype != "auto"
-                               else str(dtype).removeprefix("torch."))  # what the cache holds
         if tp > 1:
             self.ranks = start_ranks(rank_launcher, config, self.device, model_path, dtype,
                                      self.max_model_len)
@@ -80,6 +78,10 @@ class LLMEngine:
         except BaseException:
             self.shutdown(send_exit=False)
             raise
+        # what the cache holds, as the Worker reports it: "fp8_e4m3" or the dtype's name
+        cache_dtype = self.runner.kv.dtype
+        self.kv_cache_dtype = ("fp8_e4m3" if cache_dtype == torch.float8_e4m3fn
+                               else str(cache_dtype).removeprefix("torch."))
         self.executor = StepExecutor(self.runner)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)

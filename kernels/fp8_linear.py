@@ -16,11 +16,24 @@ largest finite value). Two products use them:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
-FP8 = torch.float8_e4m3fn
+FP8 = torch.float8_e4m3fn  # the one FP8 type: weights and the KV cache
 FP8_MAX = 448.0
+
+
+def fp8_capable(device: torch.device) -> bool:
+    """Whether ``device`` has FP8 E4M3: every CPU; CUDA GPUs of compute capability 8.9+ (Triton
+    has no E4M3 below, and FP8 tensor cores start there). Asked once per GPU."""
+    return device.type != "cuda" or _cuda_fp8(device.index or 0)
+
+
+@functools.cache
+def _cuda_fp8(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,7 +64,7 @@ def scaled_mm_supported(x: torch.Tensor, q: torch.Tensor) -> bool:
     """Whether ``fp8_linear_scaled`` runs here: CUDA with FP8 tensor cores, bfloat16
     activations, both dimensions of the weight multiples of 16."""
     return (x.is_cuda and x.dtype == torch.bfloat16 and q.shape[0] % 16 == 0
-            and q.shape[1] % 16 == 0 and torch.cuda.get_device_capability(x.device) >= (8, 9))
+            and q.shape[1] % 16 == 0 and fp8_capable(x.device))
 
 
 def fp8_linear_scaled(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import next_power_of_2, tl, triton
+from kernels.fp8_linear import FP8
 
-FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_KV_DTYPE = FP8  # what an fp8 cache holds (the FP8 type of the weights)
 
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:

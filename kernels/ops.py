@@ -105,7 +105,7 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     through ``torch._scaled_mm`` where the GPU has FP8 tensor cores (bfloat16 activations), else
     weight-only: the Triton W8A16 kernel on CUDA (8.9+: Triton has no E4M3 for older GPUs),
     the reference elsewhere."""
-    if _use_triton(x) and (not x.is_cuda or torch.cuda.get_device_capability(x.device) >= (8, 9)):
+    if _use_triton(x) and _fp8.fp8_capable(x.device):
         if _backend == "auto" and _fp8.scaled_mm_supported(x, q):
             return _fp8.fp8_linear_scaled(x, q, scale, bias)
         return _int8.int8_linear_triton(x, q, scale, bias)
