@@ -35,7 +35,7 @@ from engine.models.hf_config import HFConfig
 from engine.models.registry import CausalLM, model_class
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
-from kernels import cpu_gemm, quant_linear
+from kernels import cpu_gemm
 
 if TYPE_CHECKING:
     from engine.cuda_graphs import DecodeGraphs
@@ -97,10 +97,6 @@ class ModelRunner:
         rows = min(256, self.config.scheduler.max_num_batched_tokens)
         if packed:
             cpu_gemm.warm_up(packed, rows)
-        int8 = [m.int8 for m in model.modules()
-                if isinstance(m, (LinearBase, ParallelLMHead)) and m.int8 is not None]
-        if int8:
-            quant_linear.warm_up(int8, self.dtype, rows)
 
     @property
     def kv_cache(self) -> torch.Tensor | None:
@@ -225,7 +221,7 @@ class ModelRunner:
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of a loaded model's weights as stored: the parameters still held (prepacking
-    releases a plain copy), prepacked oneDNN tensors, int8 values and their scales."""
+    releases a plain copy), prepacked oneDNN tensors, packed int8 values and their scales."""
     seen: set[int] = set()
     held: list[torch.Tensor | None] = list(model.parameters())
     for m in model.modules():

@@ -1,10 +1,10 @@
 """The engine's CPU kernels in C (``csrc/``): build, load, call.
 
 ``paged_attention_cpu.c`` is paged attention over the block table (no gather, no padding);
-``elementwise_cpu.c`` holds RMSNorm (+ fused residual add), SiLU-and-multiply, rotary embedding,
-the KV-cache store and the int8 products' per-row activation quantization, each one pass over
-memory. AVX-512 loops where the CPU has them, plain C
-(auto-vectorised) elsewhere; float32 and bfloat16.
+``elementwise_cpu.c`` holds RMSNorm (+ fused residual add), SiLU-and-multiply, rotary embedding
+and the KV-cache store, each one pass over memory; ``int8_linear_cpu.c`` the int8 linear layers
+(activations quantized per row, VNNI dot products where the CPU has them). AVX-512 or AVX2 loops
+where the CPU has them, plain C (auto-vectorised) elsewhere; float32 and bfloat16.
 
 The sources are compiled on first use with the system C compiler (``$CC``, else ``cc``) for this
 machine's CPU (``-O3 -march=native -fopenmp``) into ``<build dir>/<hash>/``, keyed by the
@@ -38,7 +38,7 @@ from kernels import cpu_isa, settings
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_attention_cpu.c", CSRC / "elementwise_cpu.c"]
+SOURCES = [CSRC / "paged_attention_cpu.c", CSRC / "elementwise_cpu.c", CSRC / "int8_linear_cpu.c"]
 HEADERS = [CSRC / "cpu_common.h"]
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=fast", "-fno-math-errno",
          "-fno-trapping-math"]  # and -march for the CPU's class (kernels/cpu_isa.py)
@@ -64,7 +64,7 @@ _SIGNATURES = {
                                 _c_int],
     "store_kv_cpu": [_ptr] * 5 + [_c_i64, _c_int, _c_int] + [_c_i64] * 4 + [_c_int, _c_int,
                                                                              _c_f, _c_f],
-    "quantize_rows_u8_cpu": [_ptr] * 3 + [_c_i64, _c_i64, _c_int, _c_i64, _c_int, _c_int],
+    "int8_linear_cpu": [_ptr] * 6 + [_c_i64] * 5 + [_c_int, _c_int],
 }
 
 _lock = threading.Lock()
@@ -278,17 +278,15 @@ def store_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
         _kv_dtype(key.dtype, k_cache), 1.0 / k_scale, 1.0 / v_scale), "store_kv_cpu")
 
 
-def supports_quantize_rows(x: torch.Tensor) -> bool:
-    return _rows_ok(x) and available()
-
-
-def quantize_rows_u8(x: torch.Tensor, padded_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] -> (uint8 [padded_rows, K], float32 scales [T, 1]): the contract of
-    ``quant_linear.quantize_rows``, with rows T.. of the first holding the zero point 128."""
-    t, k = x.shape
-    out = torch.empty((padded_rows, k), dtype=torch.uint8)
-    scale = torch.empty((t, 1), dtype=torch.float32)
-    _check(_library().quantize_rows_u8_cpu(
-        out.data_ptr(), scale.data_ptr(), x.data_ptr(), t, padded_rows, k, x.stride(0),
-        _DTYPES[x.dtype], _threads()), "quantize_rows_u8_cpu")
-    return out, scale
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, colsum: torch.Tensor,
+                n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] (float32 or bfloat16, rows contiguous) times an int8 weight [n, K] in the layout of
+    ``int8_linear_cpu.c`` -> [M, n] in x's dtype: the contract of ``quant_linear.int8_linear``."""
+    m, k = x.shape
+    out = torch.empty((m, n), dtype=x.dtype)
+    if m:
+        _check(_library().int8_linear_cpu(
+            out.data_ptr(), x.data_ptr(), weight.data_ptr(), scale.data_ptr(), colsum.data_ptr(),
+            0 if bias is None else bias.data_ptr(), m, n, k, x.stride(0), out.stride(0),
+            _DTYPES[x.dtype], _threads()), "int8_linear_cpu")
+    return out

@@ -5,21 +5,24 @@ channel (``w ~= q * scale[:, None]``, ``|q| <= 127``). Two products use them:
 
 - ``int8_linear_ref`` (any device): weight-only (W8A16): the int8 weight is converted to the
   activations' dtype (integers up to 127 are exact in bfloat16 and float16), multiplied, and the
-  product scaled per output channel. The reference, and the path on GPUs until a fused kernel
-  lands.
-- ``int8_linear`` (CPU, oneDNN): the product itself in int8. Each row of the activations is
-  quantized on the fly to uint8 with its own scale (dynamic per-token quantization, zero point
-  128), oneDNN multiplies the uint8 rows by the prepacked int8 weight (VNNI dot products where
-  the CPU has them), and the int32 sums come back scaled by the weight's channel scales and the
-  row's scale. This is how vLLM's CPU backend runs INT8 models. Measured against the prepacked
-  bfloat16 product on the 0.5B model's shapes (2-core AMD Zen 4, AVX512-VNNI): 1.5-2.6x faster
-  for the MLP's wide products at 1-256 rows, even for the narrow q/k/v product; capped to AVX2
-  (no VNNI) against float32 prepacked: 1.2-2.9x faster for the wide ones. ATen's weight-only
-  ``_weight_int8pack_mm`` was measured too: 2.5x faster than bfloat16 at one row, 2-3x slower
-  from 8 rows on, and 10-40x slower with float32 activations, so it is not used.
+  product scaled per output channel. The reference, and the path on CPUs without the C kernels.
+- ``int8_linear`` (CPU, ``csrc/int8_linear_cpu.c``): the product itself in int8, on a weight
+  packed once at load time (``pack_int8``: blocks of 16 output channels by groups of 4 inputs,
+  one VNNI operand per 64 bytes). Each row of the activations is quantized on the fly to uint8
+  with its own scale (dynamic per-token quantization, zero point 128), the products are summed
+  exactly in int32 (VNNI dot products, or int16 multiply-adds without VNNI), and the sums are
+  scaled by the row's and the channel's scales: ``int8_linear_dynamic_ref`` is the same
+  arithmetic in torch, bit for bit. Rows never depend on the batch they are in.
 
-Rows are padded to ``cpu_gemm.padded_rows`` buckets as the prepacked float products are: oneDNN
-builds a kernel per row count.
+The C kernel replaced oneDNN's int8 product (``qlinear_pointwise``), which reads its weights
+slowly at the few rows of a decode step. Measured on the 0.5B model's shapes, weights cycled
+through 24 layers so that they come from memory (2-core AMD Zen 4, AVX512-VNNI, bfloat16
+activations): the MLP's [1 x 896] x [896 x 9728] product 0.35 ms against oneDNN int8's 0.81 ms
+and bfloat16's 1.06 ms (25 GB/s of weights); at 8 rows 0.45 / 0.65 / 0.93 ms; at 512 rows
+15.6 / 14.5 / 22 ms. Capped to AVX2 (no VNNI, float32 activations): 0.31 ms against 2.2 ms
+(oneDNN int8) and 2.9 ms (float32) at one row, 1.2 / 2.2 / 2.9 ms at 8 rows, but 60 / 27 /
+47 ms at 512 rows: without VNNI the widened products are slower than oneDNN's at prompt sizes.
+ATen's weight-only ``_weight_int8pack_mm`` was 2-3x slower than bfloat16 from 8 rows.
 """
 
 from __future__ import annotations
@@ -29,17 +32,19 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_gemm, cpu_kernels, settings
+from kernels import cpu_kernels, settings
 
 _ZERO_POINT = 128  # activations: uint8 = round(x / row_scale) + 128, so |x| maps to 1..255
 
 
 class Int8Packed(NamedTuple):
-    """A weight prepacked for oneDNN's int8 product, with what the product needs beside it."""
+    """An int8 weight in the C kernel's layout, with what the product needs beside it."""
 
-    weight: torch.Tensor  # opaque oneDNN int8 tensor, shaped [K, N]
+    weight: torch.Tensor  # int8, flat: blocks of 16 output channels by groups of 4 inputs
     scale: torch.Tensor  # [N] float32, per output channel
-    zero_points: torch.Tensor  # [N] int64 zeros (the weight is symmetric)
+    colsum: torch.Tensor  # [N] int32: each channel's sum of its int8 values
+    n: int
+    k: int
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,17 +69,28 @@ def int8_linear_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 
 
 def cpu_supported(q: torch.Tensor) -> bool:
-    """Whether oneDNN's int8 product takes this weight: a CPU tensor, oneDNN present, and the
+    """Whether the C kernel takes this weight: a 2-D CPU tensor, the C kernels built, and the
     ``packed_gemm`` switch on (off, the weight-only reference runs)."""
     return (settings.current().packed_gemm and q.device.type == "cpu" and q.dim() == 2
-            and torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]  # unannotated in torch
+            and cpu_kernels.available())
 
 
 def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> Int8Packed:
-    """int8 [N, K] and its scales -> oneDNN's prepacked form for ``int8_linear``."""
-    packed = torch.ops.onednn.qlinear_prepack(q.contiguous(), [64, q.shape[1]])
-    zeros = torch.zeros(q.shape[0], dtype=torch.int64)
-    return Int8Packed(packed, scale.float().contiguous(), zeros)
+    """int8 [N, K] and its scales -> the C kernel's layout (see ``csrc/int8_linear_cpu.c``):
+    channels padded to blocks of 16, inputs to groups of 4, with zeros."""
+    n, k = q.shape
+    blocks, groups = -(-n // 16), -(-k // 4)
+    padded = q.new_zeros((blocks * 16, groups * 4))
+    padded[:n, :k] = q
+    packed = padded.view(blocks, 16, groups, 4).permute(0, 2, 1, 3).contiguous().view(-1)
+    return Int8Packed(packed, scale.float().contiguous(), q.sum(1, dtype=torch.int32), n, k)
+
+
+def unpack_int8(w: Int8Packed) -> torch.Tensor:
+    """The int8 [N, K] values of a packed weight (``pack_int8``'s inverse)."""
+    blocks, groups = -(-w.n // 16), -(-w.k // 4)
+    plain = w.weight.view(blocks, groups, 16, 4).permute(0, 2, 1, 3).reshape(blocks * 16, -1)
+    return plain[:w.n, :w.k]
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,47 +100,23 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xq, scale
 
 
+def int8_linear_dynamic_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                            bias: torch.Tensor | None) -> torch.Tensor:
+    """What ``int8_linear`` computes, in torch: x [M, K] quantized per row, exact integer sums,
+    scaled by the row's then the channel's scale, the bias added, rounded to x's dtype."""
+    xq, row_scale = quantize_rows(x)
+    sums = xq.long() @ q.long().T - _ZERO_POINT * q.long().sum(1)
+    y = sums.float() * row_scale * scale.float()
+    return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
 def int8_linear(x: torch.Tensor, w: Int8Packed, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] (float32 or bfloat16) @ w^T (+ bias) -> [..., N] in x's dtype, with the
     activations quantized per row (see the module's docstring)."""
     if x.dim() != 2:
         return int8_linear(x.reshape(-1, x.shape[-1]), w, bias).view(*x.shape[:-1], -1)
-    m = x.shape[0]
-    mp = cpu_gemm.padded_rows(m)
-    if cpu_kernels.supports_quantize_rows(x):  # one pass in C, padding rows included
-        xq, row_scale = cpu_kernels.quantize_rows_u8(x, mp)
-    else:
-        xq, row_scale = quantize_rows(x)
-        if mp != m:  # rows are independent: padding rows hold the zero point (x = 0)
-            padded = xq.new_full((mp, xq.shape[1]), _ZERO_POINT)
-            padded[:m] = xq
-            xq = padded
-    y = _product(xq, w, x.dtype)
-    if mp != m:
-        y = y[:m]
-    y.mul_(row_scale.to(x.dtype))
-    return y if bias is None else y.add_(bias)
-
-
-def _product(xq: torch.Tensor, w: Int8Packed, dtype: torch.dtype) -> torch.Tensor:
-    y: torch.Tensor = torch.ops.onednn.qlinear_pointwise(
-        xq, 1.0, _ZERO_POINT, w.weight, w.scale, w.zero_points, None, 1.0, 0, dtype, "none", [], "")
-    return y
-
-
-def warm_up(weights: list[Int8Packed], dtype: torch.dtype, max_rows: int) -> int:
-    """Build oneDNN's int8 kernel of every row bucket up to ``max_rows`` for each distinct
-    weight shape; returns how many products ran."""
-    seen: set[tuple[int, int]] = set()
-    runs = 0
-    for w in weights:
-        k, n = w.weight.shape
-        if (n, k) in seen:
-            continue
-        seen.add((n, k))
-        m = 8
-        while m <= cpu_gemm.padded_rows(max_rows):
-            _product(torch.full((m, k), _ZERO_POINT, dtype=torch.uint8), w, dtype)
-            runs += 1
-            m += 8 if m < 256 else 64
-    return runs
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
+    return cpu_kernels.int8_linear(x, w.weight, w.scale, w.colsum, w.n, bias)

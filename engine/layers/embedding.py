@@ -73,7 +73,7 @@ class ParallelLMHead(_VocabParallel):
         self.int8: Int8Packed | None = None
 
     def pack_weights(self, tied: bool) -> None:
-        """After loading: prepack for oneDNN on the CPU; a tied weight stays for the embedding."""
+        """After loading: prepack for the CPU's products; a tied weight stays for the embedding."""
         weights.prepack(self, keep_plain=tied)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -47,7 +47,7 @@ class LinearBase(nn.Module):
         # loads it, [out, 1] until ``finish_quantized``)
         self.weight_scale: nn.Parameter | None
         self.register_parameter("weight_scale", None)
-        self.int8: Int8Packed | None = None  # int8 prepacked for oneDNN (CPU)
+        self.int8: Int8Packed | None = None  # int8 packed for the C kernel (CPU)
 
     def quantize(self, method: str) -> None:
         """After loading: keep the weight as ``method`` (``QUANTIZATION_METHODS``): int8 or FP8
@@ -110,7 +110,7 @@ class LinearBase(nn.Module):
             self._set_quantized(self.weight.data, flat)
 
     def pack_weights(self) -> None:
-        """After loading: on CPUs that support it, keep the weight in oneDNN's layout only."""
+        """After loading: on CPUs that support it, keep the weight in its prepacked layout only."""
         weights.prepack(self)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """How a layer with a [out, in] weight multiplies: shared by the linear layers and the LM head.
 
 A layer keeps its weight in one of five forms, chosen after loading (``prepack``): prepacked
-int8 for oneDNN (``int8``, with its scales; FP8 weights are requantized to int8 for it, the
-CPU having no FP8 product), int8 with ``weight_scale`` (the Triton W8A16 kernel
+int8 for the C kernel (``int8``, with its scales; FP8 weights are requantized to int8 for it,
+the CPU having no FP8 product), int8 with ``weight_scale`` (the Triton W8A16 kernel
 on CUDA, else the weight-only reference), FP8 E4M3 with ``weight_scale`` (``ops.fp8_linear``),
 prepacked in its dtype for oneDNN (``packed``), or plain (``F.linear``). ``matmul`` runs
 whichever it holds.
@@ -30,13 +30,13 @@ class MatmulWeights(Protocol):
 
 
 def prepack(layer: MatmulWeights, keep_plain: bool = False) -> None:
-    """After loading, on CPUs that support it: the weight in oneDNN's layout (int8 with its
-    scales, or in its dtype); the plain copy is released unless ``keep_plain`` (a weight the
-    embedding shares)."""
+    """After loading, on CPUs that support it: int8 weights in the C kernel's layout with their
+    scales, others in oneDNN's layout in their dtype; the plain copy is released unless
+    ``keep_plain`` (a weight the embedding shares)."""
     if layer.weight_scale is not None:
         if layer.int8 is None and quant_linear.cpu_supported(layer.weight):
             q, scale = layer.weight, layer.weight_scale
-            if q.dtype == torch.float8_e4m3fn:  # oneDNN has no FP8 product: requantized
+            if q.dtype == torch.float8_e4m3fn:  # the CPU has no FP8 product: requantized
                 q, scale = quant_linear.quantize_int8(q.float() * scale[:, None])
             layer.int8 = quant_linear.pack_int8(q, scale)
             if not keep_plain:

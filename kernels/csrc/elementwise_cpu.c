@@ -189,37 +189,3 @@ int store_kv_cpu(const void *key, const void *value, void *k_cache, void *v_cach
     }
     return 0;
 }
-
-/* Dynamic per-row int8 quantization of activations for the int8 products
- * (kernels/quant_linear.py): for each row t < T of x [T, K] (rows strided by sx, elements),
- * scale[t] = max(max |x[t]|, 1e-10) / 127 and out[t, d] = rint(x[t, d] / scale[t]) + 128 as
- * uint8 (the same float32 operations, rounding half to even, as the torch reference); rows
- * T..Tp-1 of out [Tp, K] are the zero point 128 (padding for oneDNN's row buckets). */
-int quantize_rows_u8_cpu(uint8_t *out, float *scale, const void *x, int64_t T, int64_t Tp, int K,
-                         int64_t sx, int dtype, int num_threads) {
-    const size_t es = dtype == 1 ? 2 : 4;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * K > 262144)
-    for (int64_t t = 0; t < T; t++) {
-        const char *xr = (const char *)x + (size_t)t * sx * es;
-        float amax = 0.0f;
-        if (dtype == 1) {
-            const uint16_t *r = (const uint16_t *)xr;
-            for (int d = 0; d < K; d++) amax = fmaxf(amax, fabsf(bf16_to_f32(r[d])));
-        } else {
-            const float *r = (const float *)xr;
-            for (int d = 0; d < K; d++) amax = fmaxf(amax, fabsf(r[d]));
-        }
-        const float s = fmaxf(amax, 1e-10f) / 127.0f;
-        scale[t] = s;
-        uint8_t *o = out + (size_t)t * K;
-        if (dtype == 1) {
-            const uint16_t *r = (const uint16_t *)xr;
-            for (int d = 0; d < K; d++) o[d] = (uint8_t)(int)(rintf(bf16_to_f32(r[d]) / s) + 128.0f);
-        } else {
-            const float *r = (const float *)xr;
-            for (int d = 0; d < K; d++) o[d] = (uint8_t)(int)(rintf(r[d] / s) + 128.0f);
-        }
-    }
-    if (Tp > T) memset(out + (size_t)T * K, 128, (size_t)(Tp - T) * K);
-    return 0;
-}

@@ -24,6 +24,7 @@ from engine import LLM, SamplingParams
 from engine.context import AttentionMetadata, set_context
 from engine.layers.linear import LinearBase
 from engine.model_runner import weight_bytes
+from kernels import cpu_kernels
 from tests.checkpoints import make_checkpoint
 from tests.engine.test_model_parity import ARCHS, PROMPTS
 
@@ -64,27 +65,31 @@ def next_token_logprobs(llm: LLM, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-@pytest.mark.parametrize("packed", [True, False], ids=["onednn-int8", "weight-only-reference"])
+@pytest.mark.parametrize("packed", [True, False], ids=["c-int8", "weight-only-reference"])
 def test_int8_greedy_tokens_and_kl_close_to_float(float_run, packed):
     path, ref_llm, ref_tokens = float_run
     llm = LLM(str(path), quantization="int8", cpu_packed_gemm=packed, **COMMON)
     linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase)]
     assert linears and all(m.quantization == "int8" for m in linears)
-    if packed and torch.backends.mkldnn.is_available():
+    if packed and cpu_kernels.available():
         assert all(m.int8 is not None and m.weight.numel() == 0 for m in linears)
     else:
         assert all(m.int8 is None and m.weight.dtype == torch.int8 for m in linears)
     model = llm.engine.runner.model
     assert model.model.embed_tokens.weight.dtype == torch.int8  # looked up, then scaled
     assert model.lm_head.weight_scale is not None
-    assert (model.lm_head.int8 is not None) == (packed and torch.backends.mkldnn.is_available())
+    assert (model.lm_head.int8 is not None) == (packed and cpu_kernels.available())
     assert_close_to_float(ref_llm, ref_tokens, llm)
 
 
 def test_int8_bfloat16_activations(float_run):
+    """bfloat16 activations round every layer's input to 8 bits of mantissa besides the int8
+    steps: on qwen2 the mean KL is 0.0043 nats and a near-tie of 0.34 nats flips (with
+    oneDNN's int8 product, which rounded to bfloat16 before the row scale: 0.0049 and 0.23), so
+    the margin here is 0.45 nats (on llama 27 of the 64 positions are that clear: 16 must be)."""
     path, ref_llm, ref_tokens = float_run
     llm = LLM(str(path), quantization="int8", **{**COMMON, "dtype": "bfloat16"})
-    assert_close_to_float(ref_llm, ref_tokens, llm)
+    assert_close_to_float(ref_llm, ref_tokens, llm, margin=0.45, min_clear=16)
 
 
 def assert_close_to_float(ref_llm: LLM, ref_tokens: list[list[int]], llm: LLM,
@@ -171,7 +176,7 @@ def test_fp8_weights_greedy_tokens_and_kl_close_to_float(float_run, packed):
     model = llm.engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     assert linears and all(m.quantization == "fp8" for m in linears)
-    if packed and torch.backends.mkldnn.is_available():
+    if packed and cpu_kernels.available():
         assert all(m.int8 is not None and m.weight.numel() == 0 for m in linears)
     else:
         assert all(m.weight.dtype == torch.float8_e4m3fn for m in linears)

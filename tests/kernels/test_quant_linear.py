@@ -1,6 +1,7 @@
-"""INT8 linear products (kernels/quant_linear.py): the quantizer's exact values, oneDNN's int8
-product against the weight-only reference and the float product, batch invariance, bias and
-padding, and the row-bucket warm-up."""
+"""INT8 linear products (kernels/quant_linear.py): the quantizer's exact values, the packed
+layout, the C kernel's product (``csrc/int8_linear_cpu.c``) bit for bit against its torch
+arithmetic and close to the weight-only reference and the float product, batch invariance,
+bias, strided rows. ``test_cpu_isa.py`` runs the product tests for every class the CPU has."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_gemm, quant_linear
+from kernels import cpu_kernels, quant_linear
 
-needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+
+def needs_c_kernels() -> None:
+    if not cpu_kernels.available():
+        pytest.skip("no C kernels")
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -46,24 +50,45 @@ def test_reference_is_weight_only_product(dtype):
     assert rel_err(got, F.linear(x.float(), w, b.float())) < 0.02  # per-channel int8: ~1%
 
 
-@needs_onednn
+def test_pack_layout_and_its_inverse():
+    q = torch.arange(-60, 60, dtype=torch.int8).view(20, 6)  # 20 channels, 6 inputs: both padded
+    w = quant_linear.pack_int8(q, torch.ones(20))
+    assert w.weight.numel() == 32 * 8 and (w.n, w.k) == (20, 6)
+    # block 0, group 0: channel c's inputs 0..3 at bytes 4c..4c+3
+    assert w.weight[:8].tolist() == q[0, :4].tolist() + q[1, :4].tolist()
+    # block 0, group 1: inputs 4, 5 then two zeros
+    assert w.weight[64:68].tolist() == [q[0, 4], q[0, 5], 0, 0]
+    assert w.weight[128:136].tolist() == q[16, :4].tolist() + q[17, :4].tolist()  # block 1
+    assert torch.equal(quant_linear.unpack_int8(w), q)
+    assert w.colsum.tolist() == q.long().sum(1).tolist()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,k,n", [(1, 96, 72), (3, 200, 300), (17, 64, 130), (300, 96, 40)])
-def test_onednn_int8_product_matches_references(dtype, m, k, n):
+@pytest.mark.parametrize("m,k,n", [(1, 96, 72), (3, 200, 300), (17, 64, 130), (300, 96, 40),
+                                   (9, 4864, 37), (6, 13, 16), (2, 3, 5)])
+def test_c_int8_product_is_its_torch_arithmetic(dtype, m, k, n):
+    """Every tile shape (rows 1-6, 1-4 column blocks, edges), inputs not a multiple of 4, the
+    bias: the same bits as the torch arithmetic; close to the weight-only and float products."""
+    needs_c_kernels()
     torch.manual_seed(m + k + n)
     w, x, b = torch.randn(n, k) * 0.05, torch.randn(m, k).to(dtype), torch.randn(n).to(dtype)
+    x[0, :4] = torch.tensor([1.0, 0.5 / 127, -2.5 / 127, 1.5 / 127])[:k]  # halves round to even
     q, scale = quant_linear.quantize_int8(w)
-    got = quant_linear.int8_linear(x, quant_linear.pack_int8(q, scale), b)
-    assert got.shape == (m, n) and got.dtype == dtype
+    packed = quant_linear.pack_int8(q, scale)
+    for bias in (b, None):
+        got = quant_linear.int8_linear(x, packed, bias)
+        assert got.shape == (m, n) and got.dtype == dtype
+        assert torch.equal(got, quant_linear.int8_linear_dynamic_ref(x, q, scale, bias))
     # activations quantized per row add about as much error again as the weights' int8
+    got = quant_linear.int8_linear(x, packed, b)
     assert rel_err(got, quant_linear.int8_linear_ref(x.float(), q, scale, b.float())) < 0.02
     assert rel_err(got, F.linear(x.float(), w, b.float())) < 0.03
 
 
-@needs_onednn
-def test_onednn_int8_rows_do_not_depend_on_the_batch():
+def test_c_int8_rows_do_not_depend_on_the_batch():
     """int32 sums are exact and each row has its own activation scale, so a row's output is
-    the same bits whatever rows share its product and whatever bucket it is padded to."""
+    the same bits whatever rows share its product and whichever tile it lands in."""
+    needs_c_kernels()
     torch.manual_seed(1)
     q, scale = quant_linear.quantize_int8(torch.randn(130, 64))
     w = quant_linear.pack_int8(q, scale)
@@ -73,37 +98,11 @@ def test_onednn_int8_rows_do_not_depend_on_the_batch():
         assert torch.equal(quant_linear.int8_linear(x[rows], w, None), full[rows])
     three = quant_linear.int8_linear(x[:3].reshape(1, 3, 64), w, None)  # leading dims kept
     assert three.shape == (1, 3, 130) and torch.equal(three[0], full[:3])
+    strided = torch.randn(4, 128)[:, :64]  # rows 128 apart
+    assert torch.equal(quant_linear.int8_linear(strided, w, None),
+                       quant_linear.int8_linear(strided.contiguous(), w, None))
     assert quant_linear.int8_linear(torch.zeros(2, 64), w, None).abs().max() == 0
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_c_row_quantization_has_the_reference_bits(dtype):
-    from kernels import cpu_kernels
-
-    if not cpu_kernels.available():
-        pytest.skip("no C kernels")
-    torch.manual_seed(2)
-    for m, k, pad in [(1, 896, 7), (7, 100, 1), (300, 4864, 20), (3, 5, 0)]:
-        x = (torch.randn(m, k) * torch.logspace(-3, 1, m)[:, None]).to(dtype)
-        x[0, :4] = torch.tensor([127.0, 0.5, -2.5, 1.5])  # scale 1: halves round to even
-        x[-1] = 0 if m > 1 else x[-1]  # an all-zero row: scale 1e-10 / 127, values 128
-        got, scale = cpu_kernels.quantize_rows_u8(x, m + pad)
-        want, want_scale = quant_linear.quantize_rows(x)
-        assert torch.equal(got[:m], want) and torch.equal(scale, want_scale)
-        assert got[0, :4].tolist() == [255, 128, 126, 130]
-        assert (got[m:] == 128).all()  # padding rows: the zero point
-    strided = torch.randn(4, 64).to(dtype)[:, :32]  # rows strided by 64
-    assert torch.equal(cpu_kernels.quantize_rows_u8(strided, 8)[0][:4],
-                       quant_linear.quantize_rows(strided)[0])
-
-
-@needs_onednn
-def test_warm_up_builds_each_bucket_once_per_shape():
-    a = quant_linear.pack_int8(*quant_linear.quantize_int8(torch.randn(40, 32)))
-    b = quant_linear.pack_int8(*quant_linear.quantize_int8(torch.randn(40, 32)))
-    c = quant_linear.pack_int8(*quant_linear.quantize_int8(torch.randn(24, 32)))
-    buckets = len(range(8, cpu_gemm.padded_rows(20) + 1, 8))  # 8, 16, 24
-    assert quant_linear.warm_up([a, b, c], torch.float32, 20) == 2 * buckets
+    assert quant_linear.int8_linear(torch.zeros(0, 64), w, None).shape == (0, 130)
 
 
 def test_packed_gemm_switch_off_keeps_the_reference():
@@ -116,4 +115,4 @@ def test_packed_gemm_switch_off_keeps_the_reference():
         assert not quant_linear.cpu_supported(q)
     finally:
         settings.configure(packed_gemm=previous)
-    assert quant_linear.cpu_supported(q) == (previous and torch.backends.mkldnn.is_available())
+    assert quant_linear.cpu_supported(q) == (previous and cpu_kernels.available())
