@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from engine.config import EngineConfig
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
@@ -22,6 +23,7 @@ __all__ = [
     "LLMEngine",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]
 
 

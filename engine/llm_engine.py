@@ -33,6 +33,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.stats import EngineStats
 from engine.step_executor import StepExecutor, TensorParallelError
+from engine.structured_output import Grammars
 from engine.tokenizer import PromptType, check_vocab, encode_prompt, eos_token_ids, load_tokenizer
 from engine.tp_ranks import check_tp_start, start_ranks, stop_ranks
 
@@ -88,6 +89,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len,
                                    on_cpu=self.device.type == "cpu")
         self.outputs = OutputProcessor(self.tokenizer)
+        self.grammars = Grammars(self.tokenizer, self.hf.vocab_size, self.eos_token_ids)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_steps = 0
@@ -161,6 +163,9 @@ class LLMEngine:
                         arrival_time=arrival_time) for i in range(params.n)]
         for child in seqs[1:]:
             child.parent = seqs[0]
+        if params.structured_outputs is not None:
+            for seq in seqs:
+                seq.grammar = self.grammars.state(params.structured_outputs)
         self.outputs.add(request_id, text, ids, params, seqs)
         for seq in seqs:
             self.scheduler.add(seq)
@@ -197,7 +202,8 @@ class LLMEngine:
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
-        if not sched.scheduled:
+        if not sched.scheduled:  # at most a few ms: requests may wait for their grammars
+            self.scheduler.wait_for_grammars(timeout=0.005)
             return []
         sched, reqs, sampled = self.executor.run(sched, self._fail)
         self.scheduler.finish_step(sched)

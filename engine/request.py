@@ -7,6 +7,7 @@ import time
 
 from engine.outputs import Logprobs
 from engine.sampling_params import SamplingParams
+from engine.structured_output import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -63,6 +64,7 @@ class Request:
         self.first_scheduled_time: float | None = None  # first admitted to a batch
         self.first_token_time: float | None = None
         self.num_preemptions = 0
+        self.grammar: GrammarState | None = None  # with structured_outputs: its matcher
 
     @property
     def num_tokens(self) -> int:
@@ -81,6 +83,8 @@ class Request:
         return self.status.finished
 
     def append_token(self, token_id: int, logprobs: Logprobs | None) -> None:
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         self.all_token_ids.append(token_id)
         if logprobs is not None:
             self.logprobs.append(logprobs)
@@ -92,6 +96,8 @@ class Request:
         if n_out >= self.params.min_tokens and last in self.stop_ids:
             self.status = RequestStatus.FINISHED_STOPPED
             self.stop_reason = last
+        elif self.grammar is not None and self.grammar.terminated:
+            self.status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
         elif (self.params.max_tokens is not None and n_out >= self.params.max_tokens) or (
             self.num_tokens >= max_model_len
         ):

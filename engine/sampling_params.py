@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn, TypeGuard
 
+from engine.structured_output import StructuredOutputsParams
+
 OutputKind = Literal["cumulative", "delta", "final"]
 
 MAX_LOGPROBS = 20
@@ -47,8 +49,14 @@ class SamplingParams:
     detokenize: bool = True
     skip_special_tokens: bool = True
     output_kind: OutputKind = "cumulative"
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:
+                raise ValueError(f"structured_outputs: {e}") from None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = _as_list("stop", self.stop)
@@ -97,6 +105,11 @@ class SamplingParams:
                self.stop_token_ids)
         _check(self.output_kind in ("cumulative", "delta", "final"), "output_kind",
                "must be 'cumulative', 'delta' or 'final'", self.output_kind)
+        if self.structured_outputs is not None:
+            _check(isinstance(self.structured_outputs, StructuredOutputsParams),
+                   "structured_outputs", "must be a StructuredOutputsParams",
+                   self.structured_outputs)
+            self.structured_outputs.validate()
 
     @property
     def greedy(self) -> bool:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.structured_output import Grammars
 
 
 @dataclass
@@ -108,6 +109,9 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.popleft()
+            if req.grammar is not None and not req.grammar.ready():
+                skipped.append(req)  # its grammar is still compiling
+                continue
             if req.parent is not None and not req.block_ids and not self._fork(req):
                 skipped.append(req)  # waits to share its parent's prompt blocks
                 continue
@@ -126,6 +130,10 @@ class Scheduler:
             out.scheduled.append((req, n))
             budget -= n
         self.waiting.extendleft(reversed(skipped))
+
+    def wait_for_grammars(self, timeout: float) -> None:
+        """Block until a waiting request's grammar is compiled, at most ``timeout`` s."""
+        Grammars.wait_any([r.grammar for r in self.waiting if r.grammar is not None], timeout)
 
     def _fork(self, req: Request) -> bool:
         parent = req.parent

@@ -46,6 +46,11 @@ class AppConfig(BaseModel):
         None, description="Name clients use in the `model` field; defaults to the engine's name "
         "for the model (its path, or 'pagedserve-default')."
     )
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
+        None, description="How `tool_choice=\"auto\"` reads tool calls in the model's text "
+        "(vLLM's --tool-call-parser): hermes (Hermes, Qwen2.5) or llama3_json (Llama 3.1). "
+        "Without it, requests with tools need tool_choice 'required', a named function or 'none'."
+    )
     num_workers: int = Field(1, ge=1, description="Worker replicas, each owning one engine.")
     num_routers: int = Field(1, ge=1, description="Router (HTTP ingress) replicas.")
     max_batch_size: int = Field(

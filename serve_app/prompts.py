@@ -17,6 +17,7 @@ from serve_app.config import AppConfig
 from serve_app.errors import APIError
 from serve_app.protocol import sampling_params
 from serve_app.request_router import prefix_hashes
+from serve_app.tools import ToolPlan, template_has_tools
 from serve_app.wire import ModelInfo
 
 
@@ -31,7 +32,7 @@ class PromptProcessor:
 
     def __init__(self, info: ModelInfo, model_name: str, prefix_chunk_tokens: int,
                  max_n: int = 16, max_tokens_limit: int | None = None,
-                 max_prompts: int | None = None) -> None:
+                 max_prompts: int | None = None, tool_call_parser: str | None = None) -> None:
         self.tokenizer = info["tokenizer"]
         self._backend = _backend_copy(self.tokenizer)
         self.model_name = model_name
@@ -44,13 +45,15 @@ class PromptProcessor:
         self.max_n = max_n
         self.max_tokens_limit = max_tokens_limit
         self.max_prompts = max_prompts  # more sequences can never be admitted at once
+        self.tool_call_parser = tool_call_parser
 
     @classmethod
     def for_app(cls, info: ModelInfo, cfg: AppConfig) -> PromptProcessor:
         """The Router's: the served name (``served_model_name``, else the Worker's) and the
         app's request bounds."""
         return cls(info, cfg.served_model_name or info["model_name"], cfg.prefix_chunk_tokens,
-                   cfg.max_n, cfg.max_tokens_limit, cfg.max_waiting_requests)
+                   cfg.max_n, cfg.max_tokens_limit, cfg.max_waiting_requests,
+                   cfg.tool_call_parser)
 
     def check_size(self, num_prompts: int, n: int, max_tokens: int | None,
                    max_tokens_param: str = "max_tokens") -> None:
@@ -107,11 +110,12 @@ class PromptProcessor:
                            f"[0, {self.vocab_size})", param="prompt")
         return list(prompt)
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool,
-                    ) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+                messages, tools=tools, tokenize=False,
+                add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # the template raises jinja errors for bad conversations
             raise APIError(400, f"messages: the chat template rejected them: {exc}",
                            param="messages") from None
@@ -144,10 +148,28 @@ class PromptProcessor:
         echo = [x if isinstance(x, str) else self.decode(x) for x in raw] if req.echo else None
         return prompts, params, echo
 
-    def prepare_chat(self, req: Any) -> tuple[list[int], list[SamplingParams]]:
-        """A chat request's templated prompt as token ids, and its params."""
-        ids = self.encode_chat(req.chat_messages(), req.add_generation_prompt)
-        return ids, [self.params(req, ids, req.completion_limit(), req.num_logprobs())]
+    def prepare_chat(self, req: Any) -> tuple[list[int], list[SamplingParams], ToolPlan | None]:
+        """A chat request's templated prompt as token ids, its params, and its tool plan."""
+        plan = self.tool_plan(req)
+        tools = [t.model_dump(exclude_none=True) for t in plan.tools] if plan else None
+        ids = self.encode_chat(req.chat_messages(), req.add_generation_prompt, tools)
+        return ids, [self.params(req, ids, req.completion_limit(), req.num_logprobs())], plan
+
+    def tool_plan(self, req: Any) -> ToolPlan | None:
+        """The request's tools, checked against this model and app (400 when "auto" cannot
+        be served: no parser set, or a chat template without tools)."""
+        plan: ToolPlan | None = req.tool_plan(self.tool_call_parser)
+        if plan is None or plan.mode != "auto":
+            return plan
+        if plan.parser is None:
+            raise APIError(400, 'tool_choice: "auto" needs the app\'s tool_call_parser setting '
+                           '(hermes or llama3_json); "required", a named function or "none" '
+                           'work without it', param="tool_choice")
+        if not template_has_tools(self.tokenizer):
+            raise APIError(400, "tools: this model's chat template does not render tools, so "
+                           'the model cannot call them by itself; use tool_choice "required" '
+                           "or a named function", param="tools")
+        return plan
 
     def prefix_hashes(self, prompt_ids: list[int]) -> list[int]:
         return prefix_hashes(prompt_ids, self._chunk)

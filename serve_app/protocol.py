@@ -9,6 +9,7 @@ Responses are plain dicts built in ``serve_app/responses.py``.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -20,7 +21,9 @@ from engine.sampling_params import (
     MAX_STOP_TOKEN_IDS,
     SamplingParams,
 )
+from engine.structured_output import StructuredOutputsParams
 from serve_app.errors import APIError, FieldError, from_validation_error
+from serve_app.tools import MAX_TOOLS, NamedToolChoice, Tool, ToolCall, ToolChoice, ToolPlan
 
 MAX_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
@@ -34,6 +37,35 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = Field(False, description="Send a final chunk with token usage.")
+
+
+class JSONSchemaFormat(_Strict):
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise FieldError("response_format.json_schema", "is required when type is "
+                             "'json_schema'")
+        return self
+
+
+class StructuredOutputs(_Strict):
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _Sampling(_Strict):
@@ -60,6 +92,9 @@ class _Sampling(_Strict):
     include_stop_str_in_output: bool = False
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM's extension: exactly one of json, regex, choice, grammar.")
 
     @model_validator(mode="after")
     def _unsupported(self) -> _Sampling:
@@ -129,6 +164,22 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates take it: calls' arguments as objects (templates
+        print them with ``tojson``), the tool result's call id."""
+        msg: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            msg["name"] = self.name
+        if self.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        return msg
 
     def text(self) -> str:
         if self.content is None:
@@ -146,15 +197,13 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
-        if self.tools:
-            raise FieldError("tools", "are not supported")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise FieldError("response_format", "other than 'text' is not supported")
+        self._check_tools()
         if self.top_logprobs is not None and not self.logprobs:
             raise FieldError("top_logprobs", "needs logprobs=true")
         return self
@@ -171,8 +220,70 @@ class ChatCompletionRequest(_Sampling):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def chat_messages(self) -> list[dict[str, Any]]:
+        return [m.template_dict() for m in self.messages]
+
+    def _check_tools(self) -> None:
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise FieldError("tools", "function names must be unique")
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not names:
+            raise FieldError("tool_choice", "needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise FieldError("tool_choice", f"names {choice.function.name!r}, which is not "
+                             f"one of the tools")
+        constrained = self.structured_outputs is not None or (
+            self.response_format is not None and self.response_format.type != "text")
+        if constrained and (choice == "required" or isinstance(choice, NamedToolChoice)):
+            raise FieldError("tool_choice", "'required' or a named function excludes "
+                             "response_format and structured_outputs")
+
+    def tool_plan(self, parser: str | None = None) -> ToolPlan | None:
+        """The checked tool request (None: no tools, or ``tool_choice="none"``)."""
+        choice = self.tool_choice if self.tool_choice is not None else "auto"
+        if not self.tools or choice == "none":
+            return None
+        if isinstance(choice, NamedToolChoice):
+            return ToolPlan("named", self.tools, self.parallel_tool_calls, choice.function.name)
+        mode: Literal["auto", "required"] = "required" if choice == "required" else "auto"
+        return ToolPlan(mode, self.tools, self.parallel_tool_calls, parser=parser)
+
+
+def _arguments(text: str) -> Any:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+def structured_outputs(req: CompletionRequest | ChatCompletionRequest,
+                       ) -> StructuredOutputsParams | None:
+    """What constrains the output: ``structured_outputs``, else a JSON ``response_format``."""
+    so, fmt = req.structured_outputs, req.response_format
+    plan = req.tool_plan() if isinstance(req, ChatCompletionRequest) else None
+    if plan is not None and plan.mode != "auto":
+        return plan.constraint()
+    if so is not None:
+        if fmt is not None and fmt.type != "text":
+            raise FieldError("structured_outputs", "and a JSON response_format exclude each "
+                             "other")
+        return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice,
+                                       grammar=so.grammar, json_object=so.json_object)
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    assert fmt.json_schema is not None
+    schema = fmt.json_schema.schema_
+    params = StructuredOutputsParams(json=schema if schema is not None else {"type": "object"})
+    try:
+        params.validate()
+    except ValueError as e:  # named after the field the client sent
+        field = "response_format.json_schema.schema"
+        raise FieldError(field, str(e).replace("structured_outputs.json is ", "", 1)) from None
+    return params
 
 
 def parse_request(cls: type[_Sampling], body: bytes) -> Any:
@@ -187,6 +298,10 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
                     num_logprobs: int | None) -> SamplingParams:
     """Engine parameters for one prompt: delta token ids only; stop strings stay in the Router."""
     try:
+        constraint = structured_outputs(req)
+    except FieldError as e:
+        raise APIError(400, f"{e.field}: {e}", param=e.field) from None
+    try:
         params = SamplingParams(
             n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
             min_p=req.min_p, seed=req.seed, max_tokens=max_tokens,
@@ -195,6 +310,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, skip_special_tokens=req.skip_special_tokens,
             detokenize=False, output_kind="delta",
+            structured_outputs=constraint,
         )
     except ValueError as exc:
         message = str(exc)

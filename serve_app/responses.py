@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from serve_app.streams import Delta, LogprobEntry, Usage
+from serve_app.tools import ToolPlan
 
 
 def sse(data: dict[str, Any] | str) -> str:
@@ -124,9 +125,11 @@ class ChatFormat(_Format):
     object_chunk = "chat.completion.chunk"
     object_final = "chat.completion"
 
-    def __init__(self, *args: Any, want_logprobs: bool = False) -> None:
+    def __init__(self, *args: Any, want_logprobs: bool = False,
+                 tools: ToolPlan | None = None) -> None:
         super().__init__(*args)
         self._want_logprobs = want_logprobs
+        self._tools = tools  # text is held back and parsed for calls when a choice ends
 
     def role_chunk(self, num_choices: int) -> dict[str, Any]:
         choices = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -147,14 +150,52 @@ class ChatFormat(_Format):
         return self._envelope(self.object_chunk, choices)
 
     def stream_chunks(self, deltas: list[Delta]) -> list[dict[str, Any]]:
+        if self._tools is not None:
+            return self._tool_chunks(deltas)
         out = [self.chunk(deltas), self.finish_chunk(deltas)]
         return [c for c in out if c["choices"]]
 
     def final(self, usage: Usage) -> dict[str, Any]:
-        choices = [{"index": i, "message": {"role": "assistant", "content": self._texts[i]},
-                    "logprobs": self._logprobs_obj(self._logprobs[i]),
-                    "finish_reason": self._finish[i]} for i in range(len(self._texts))]
+        choices = []
+        for i in range(len(self._texts)):
+            message, finish = self._message(i)
+            choices.append({"index": i, "message": message,
+                            "logprobs": self._logprobs_obj(self._logprobs[i]),
+                            "finish_reason": finish})
         return self._envelope(self.object_final, choices, usage)
+
+    def _message(self, i: int) -> tuple[dict[str, Any], str | None]:
+        """Choice ``i``'s message and finish reason, with its tool calls parsed out."""
+        text, finish = self._texts[i], self._finish[i]
+        if self._tools is None:
+            return {"role": "assistant", "content": text}, finish
+        content, calls = self._tools.parse(text)
+        if not calls:
+            return {"role": "assistant", "content": text}, finish
+        return ({"role": "assistant", "content": content, "tool_calls": calls},
+                "tool_calls" if finish == "stop" else finish)
+
+    def _tool_chunks(self, deltas: list[Delta]) -> list[dict[str, Any]]:
+        """Text is held until its choice ends; then its content, its calls and its finish."""
+        self.collect(deltas)
+        out = []
+        for d in deltas:
+            if d.finish_reason is None:
+                continue
+            message, finish = self._message(d.index)
+            delta = {k: v for k, v in message.items() if k != "role" and v is not None}
+            if "tool_calls" in delta:
+                delta["tool_calls"] = [{"index": j, **c}
+                                       for j, c in enumerate(delta["tool_calls"])]
+            for part in ({"content": delta["content"]} if delta.get("content") else None,
+                         {"tool_calls": delta["tool_calls"]} if "tool_calls" in delta else None):
+                if part is not None:
+                    out.append(self._envelope(self.object_chunk, [
+                        {"index": d.index, "delta": part, "logprobs": None,
+                         "finish_reason": None}]))
+            out.append(self._envelope(self.object_chunk, [
+                {"index": d.index, "delta": {}, "logprobs": None, "finish_reason": finish}]))
+        return out
 
     def _logprobs_obj(self, entries: list[LogprobEntry] | None) -> dict[str, Any] | None:
         if not self._want_logprobs:

@@ -147,9 +147,9 @@ class Router:
         p = await self._ready()
         p.check_model(req.model)
         p.check_size(1, req.n, req.completion_limit(), req.max_tokens_param)
-        ids, params = await self._off_loop(p.prepare_chat, req)
+        ids, params, tools = await self._off_loop(p.prepare_chat, req)
         fmt = ChatFormat(_response_id("chatcmpl", request), p.model_name, p.tokenizer, req.n,
-                         want_logprobs=req.logprobs)
+                         want_logprobs=req.logprobs, tools=tools)
         return await self._run(p, req, [ids], params, fmt, req.num_logprobs())
 
     # ---- request flow ----------------------------------------------------------------------

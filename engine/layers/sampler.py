@@ -1,4 +1,4 @@
-"""Batched sampling: penalties, min_tokens, temperature, top-k / top-p / min-p, seeds, logprobs.
+"""Batched sampling: grammar masks, penalties, min_tokens, temperature, top-k / top-p / min-p, seeds, logprobs.
 
 The batch's work is done in a few tensor ops; per-row Python runs only for penalties and seeded
 rows. Sampling uses the exponential race (argmax of probs / Exp(1) noise), so a seeded row draws
@@ -16,6 +16,7 @@ import torch
 from engine.outputs import Logprobs
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine.structured_output import mask_logits
 
 
 @dataclass
@@ -38,13 +39,18 @@ class Sampler:
         want_logprobs = any(p.logprobs is not None for p in params)
         penalties = any(p.needs_penalties for p in params)
         all_greedy = all(p.greedy for p in params)
-        if want_logprobs or penalties or not all_greedy:
+        grammars = [r.grammar for r in reqs]
+        constrained = any(g is not None for g in grammars)
+        if want_logprobs or penalties or not all_greedy or constrained:
             # The argmax of plain greedy rows is the same on the model's dtype (bfloat16 widens
             # to float32 exactly); everything else computes in float32.
             logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        if penalties:
+        if penalties or constrained:
             logits = logits.clone()
+        if constrained:
+            mask_logits(logits, grammars)
+        if penalties:
             self._apply_penalties(logits, reqs)
         self._mask_early_stop(logits, reqs)
         if all_greedy:

@@ -1,0 +1,221 @@
+"""Structured output (guided decoding) on xgrammar: a request's output is held to a JSON schema,
+any JSON object, a regular expression, one of a list of strings, or an EBNF grammar.
+
+``StructuredOutputsParams`` (``SamplingParams.structured_outputs``, as vLLM's) says which; its
+``validate`` parses the grammar without a tokenizer (cached), so a bad schema, regex or grammar
+is a ``ValueError`` naming it when the request arrives. ``Grammars`` (one per engine) compiles
+a request's grammar against the tokenizer on a worker thread, off the step loop, with a cache
+keyed by the grammar's text; the scheduler admits a request once its grammar is compiled.
+Each sequence then has its own ``GrammarState`` (an xgrammar matcher): before sampling, the
+matchers of the batch's constrained rows fill one token bitmask and one call masks the logits;
+each appended token advances its matcher, and a matcher that reaches the grammar's end finishes
+its sequence ("stop"). A sequence that reaches ``max_tokens`` first ends with "length".
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    import xgrammar
+    from transformers import PreTrainedTokenizerBase
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+MAX_SPEC_CHARS = 1 << 20  # characters of a schema, regex or grammar
+MAX_CHOICES = 1024
+_CACHE_SIZE = 256  # compiled grammars kept per engine
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Exactly one of: ``json`` (a JSON schema, as a dict or its text), ``regex``, ``choice``
+    (the output is one of these strings), ``grammar`` (EBNF, xgrammar's dialect, rule
+    ``root``) or ``json_object=True`` (any JSON object)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def kind(self) -> str:
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of {', '.join(KINDS)}, "
+                             f"got {', '.join(given) or 'none'}")
+        return given[0]
+
+    def key(self) -> tuple[str, str]:
+        """(kind, the grammar's text): what the compile cache is keyed by."""
+        kind = self.kind()
+        value = getattr(self, kind)
+        if kind == "json":
+            if isinstance(value, dict):
+                text = json.dumps(value, sort_keys=True)
+            elif isinstance(value, str):
+                text = value
+            else:
+                raise ValueError(f"structured_outputs.json must be a schema object or its JSON "
+                                 f"text, got {type(value).__name__}")
+        elif kind == "choice":
+            if not (isinstance(value, list) and 0 < len(value) <= MAX_CHOICES
+                    and all(isinstance(c, str) and c for c in value)):
+                raise ValueError(f"structured_outputs.choice must be a list of 1-{MAX_CHOICES} "
+                                 f"non-empty strings")
+            text = json.dumps(value)
+        elif kind == "json_object":
+            if value is not True:
+                raise ValueError("structured_outputs.json_object must be true")
+            text = ""
+        elif isinstance(value, str):
+            text = value
+        else:
+            raise ValueError(f"structured_outputs.{kind} must be a string, got "
+                             f"{type(value).__name__}")
+        if len(text) > MAX_SPEC_CHARS:
+            raise ValueError(f"structured_outputs.{kind} is {len(text)} characters long; at most "
+                             f"{MAX_SPEC_CHARS} are accepted")
+        return kind, text
+
+    def validate(self) -> None:
+        """``ValueError`` naming what is wrong: the fields, or the schema, regex or grammar."""
+        parse_grammar(*self.key())
+
+
+@lru_cache(maxsize=_CACHE_SIZE)
+def parse_grammar(kind: str, text: str) -> xgrammar.Grammar:
+    """The xgrammar ``Grammar`` of a (kind, text) key; ``ValueError`` if it does not parse."""
+    import xgrammar as xgr
+
+    try:
+        if kind == "json":
+            schema = json.loads(text)
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("a JSON schema must be an object")
+            grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False)
+            return xgr.Grammar.from_ebnf(_strict_strings(str(grammar)))
+        if kind == "regex":
+            return xgr.Grammar.from_regex(text)
+        if kind == "choice":
+            return xgr.Grammar.from_ebnf(choice_ebnf(json.loads(text)))
+        if kind == "grammar":
+            return xgr.Grammar.from_ebnf(text)
+        return xgr.Grammar.builtin_json_grammar()
+    except (RuntimeError, ValueError) as e:  # xgrammar reports parse errors as RuntimeError
+        detail = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise ValueError(f"structured_outputs.{kind} is invalid: {detail[:300]}") from None
+
+
+# xgrammar 0.2.9 writes the characters of a length-bounded string (maxLength, minLength) as
+# "anything but a quote, a backslash, CR or LF": control characters, which JSON forbids raw
+# (json.loads refuses them), slip through. Its unbounded strings exclude all of U+0000-U+001F.
+_LAX_CHARS, _JSON_CHARS = r'[^\"\\\r\n]', r'[^\"\\\0-\x1f]'
+
+
+def _strict_strings(ebnf: str) -> str:
+    return ebnf.replace(_LAX_CHARS, _JSON_CHARS)
+
+
+def choice_ebnf(choices: Sequence[str]) -> str:
+    """An EBNF grammar whose only sentences are ``choices``, each matched literally."""
+    def literal(s: str) -> str:
+        escaped = "".join(c if c.isprintable() and c not in '"\\' else f"\\u{ord(c):04x}"
+                          if ord(c) < 0x10000 else c for c in s)
+        return f'"{escaped}"'
+    return "root ::= " + " | ".join(literal(c) for c in choices)
+
+
+class GrammarState:
+    """One sequence's progress through its grammar (the matcher, once compiled)."""
+
+    def __init__(self, compiled: Future[xgrammar.CompiledGrammar]) -> None:
+        self.compiled = compiled
+        self._matcher: xgrammar.GrammarMatcher | None = None
+
+    def ready(self) -> bool:
+        return self.compiled.done()
+
+    @property
+    def matcher(self) -> xgrammar.GrammarMatcher:
+        if self._matcher is None:
+            import xgrammar as xgr
+
+            self._matcher = xgr.GrammarMatcher(self.compiled.result())
+        return self._matcher
+
+    def accept(self, token: int) -> None:
+        if not self.matcher.accept_token(token):
+            raise RuntimeError(f"token {token} does not continue the request's grammar")
+
+    @property
+    def terminated(self) -> bool:
+        return self._matcher is not None and self._matcher.is_terminated()
+
+
+class Grammars:
+    """Compiles grammars for one tokenizer on a worker thread, caching the results."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int,
+                 stop_token_ids: Iterable[int]) -> None:
+        self._tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._stop_ids = sorted(stop_token_ids)
+        self._compiler: xgrammar.GrammarCompiler | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._cache: OrderedDict[tuple[str, str], Future[xgrammar.CompiledGrammar]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def state(self, params: StructuredOutputsParams) -> GrammarState:
+        """A new sequence's state; its grammar compiles in the background (or is cached)."""
+        key = params.key()
+        with self._lock:
+            future = self._cache.get(key)
+            if future is None or (future.done() and future.exception() is not None):
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+                future = self._pool.submit(self._compile, key)
+                self._cache[key] = future
+                while len(self._cache) > _CACHE_SIZE:
+                    self._cache.popitem(last=False)
+            self._cache.move_to_end(key)
+        return GrammarState(future)
+
+    def _compile(self, key: tuple[str, str]) -> xgrammar.CompiledGrammar:
+        import xgrammar as xgr
+
+        if self._compiler is None:  # building the vocabulary's tables takes a while: once
+            info = xgr.TokenizerInfo.from_huggingface(
+                self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_ids)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        return self._compiler.compile_grammar(parse_grammar(*key))
+
+    @staticmethod
+    def wait_any(states: list[GrammarState], timeout: float) -> None:
+        """Block until one of ``states`` is compiled, at most ``timeout`` seconds."""
+        pending = [s.compiled for s in states if not s.ready()]
+        if pending:
+            wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+
+
+def mask_logits(logits: torch.Tensor, states: Sequence[GrammarState | None]) -> None:
+    """Forbid, in place, every token that would leave its row's grammar (float32 logits [rows,
+    vocab]; rows without a grammar are untouched): one bitmask, one masking call."""
+    import xgrammar as xgr
+
+    rows = [i for i, s in enumerate(states) if s is not None]
+    if not rows:
+        return
+    bitmask = xgr.allocate_token_bitmask(len(states), logits.shape[-1])
+    for i in rows:
+        state = states[i]
+        assert state is not None
+        state.matcher.fill_next_token_bitmask(bitmask, i)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
