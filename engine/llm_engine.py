@@ -92,8 +92,7 @@ class LLMEngine:
         self.grammars = Grammars(self.tokenizer, self.hf.vocab_size, self.eos_token_ids)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        self.num_steps = 0
-        self.num_batched_tokens_total = 0  # tokens computed: prefill chunks + decode
+        self.num_steps = self.num_batched_tokens_total = 0  # (tokens: prefill chunks + decode)
         self.errors: list[tuple[str, Exception]] = []
 
     @property

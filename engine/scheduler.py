@@ -109,7 +109,7 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.popleft()
-            if req.grammar is not None and not req.grammar.ready():
+            if req.grammar is not None and not req.grammar.compiled.done():
                 skipped.append(req)  # its grammar is still compiling
                 continue
             if req.parent is not None and not req.block_ids and not self._fork(req):

@@ -7,7 +7,8 @@ is a ``ValueError`` naming it when the request arrives. ``Grammars`` (one per en
 a request's grammar against the tokenizer on a worker thread, off the step loop, with a cache
 keyed by the grammar's text; the scheduler admits a request once its grammar is compiled.
 Each sequence then has its own ``GrammarState`` (an xgrammar matcher): before sampling, the
-matchers of the batch's constrained rows fill one token bitmask and one call masks the logits;
+matchers of the batch's constrained rows fill one token bitmask and one call masks the logits
+(``engine.layers.sampler.mask_logits``);
 each appended token advances its matcher, and a matcher that reaches the grammar's end finishes
 its sequence ("stop"). A sequence that reaches ``max_tokens`` first ends with "length".
 """
@@ -22,8 +23,6 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
-
-import torch
 
 if TYPE_CHECKING:
     import xgrammar
@@ -58,37 +57,34 @@ class StructuredOutputsParams:
         """(kind, the grammar's text): what the compile cache is keyed by."""
         kind = self.kind()
         value = getattr(self, kind)
-        if kind == "json":
-            if isinstance(value, dict):
-                text = json.dumps(value, sort_keys=True)
-            elif isinstance(value, str):
-                text = value
-            else:
-                raise ValueError(f"structured_outputs.json must be a schema object or its JSON "
-                                 f"text, got {type(value).__name__}")
+        if kind == "json" and isinstance(value, dict):
+            text = json.dumps(value, sort_keys=True)
         elif kind == "choice":
-            if not (isinstance(value, list) and 0 < len(value) <= MAX_CHOICES
-                    and all(isinstance(c, str) and c for c in value)):
-                raise ValueError(f"structured_outputs.choice must be a list of 1-{MAX_CHOICES} "
-                                 f"non-empty strings")
+            _require(isinstance(value, list) and 0 < len(value) <= MAX_CHOICES
+                     and all(isinstance(c, str) and c for c in value),
+                     f"structured_outputs.choice must be a list of 1-{MAX_CHOICES} non-empty "
+                     f"strings")
             text = json.dumps(value)
         elif kind == "json_object":
-            if value is not True:
-                raise ValueError("structured_outputs.json_object must be true")
+            _require(value is True, "structured_outputs.json_object must be true")
             text = ""
-        elif isinstance(value, str):
-            text = value
         else:
-            raise ValueError(f"structured_outputs.{kind} must be a string, got "
-                             f"{type(value).__name__}")
-        if len(text) > MAX_SPEC_CHARS:
-            raise ValueError(f"structured_outputs.{kind} is {len(text)} characters long; at most "
-                             f"{MAX_SPEC_CHARS} are accepted")
+            what = "a schema object or its JSON text" if kind == "json" else "a string"
+            _require(isinstance(value, str), f"structured_outputs.{kind} must be {what}, got "
+                     f"{type(value).__name__}")
+            text = value
+        _require(len(text) <= MAX_SPEC_CHARS, f"structured_outputs.{kind} is {len(text)} "
+                 f"characters long; at most {MAX_SPEC_CHARS} are accepted")
         return kind, text
 
     def validate(self) -> None:
         """``ValueError`` naming what is wrong: the fields, or the schema, regex or grammar."""
         parse_grammar(*self.key())
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
 
 
 @lru_cache(maxsize=_CACHE_SIZE)
@@ -140,9 +136,6 @@ class GrammarState:
     def __init__(self, compiled: Future[xgrammar.CompiledGrammar]) -> None:
         self.compiled = compiled
         self._matcher: xgrammar.GrammarMatcher | None = None
-
-    def ready(self) -> bool:
-        return self.compiled.done()
 
     @property
     def matcher(self) -> xgrammar.GrammarMatcher:
@@ -200,22 +193,6 @@ class Grammars:
     @staticmethod
     def wait_any(states: list[GrammarState], timeout: float) -> None:
         """Block until one of ``states`` is compiled, at most ``timeout`` seconds."""
-        pending = [s.compiled for s in states if not s.ready()]
+        pending = [s.compiled for s in states if not s.compiled.done()]
         if pending:
             wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
-
-
-def mask_logits(logits: torch.Tensor, states: Sequence[GrammarState | None]) -> None:
-    """Forbid, in place, every token that would leave its row's grammar (float32 logits [rows,
-    vocab]; rows without a grammar are untouched): one bitmask, one masking call."""
-    import xgrammar as xgr
-
-    rows = [i for i, s in enumerate(states) if s is not None]
-    if not rows:
-        return
-    bitmask = xgr.allocate_token_bitmask(len(states), logits.shape[-1])
-    for i in rows:
-        state = states[i]
-        assert state is not None
-        state.matcher.fill_next_token_bitmask(bitmask, i)
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)

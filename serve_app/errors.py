@@ -1,7 +1,8 @@
 """Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
 
 Handlers raise ``APIError``; the exception handlers registered by ``install_handlers`` turn it,
-FastAPI's validation errors (never a 422 body) and anything unexpected into that shape.
+FastAPI's validation errors (never a 422 body) and anything unexpected into that shape. Request
+bodies are ``StrictModel``s, whose errors ``from_validation_error`` names by field.
 """
 
 from __future__ import annotations
@@ -12,10 +13,17 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger("ray.serve")
+
+
+class StrictModel(BaseModel):
+    """A request body's part: no type coercion (``"5"`` is not a number), no NaN or
+    infinities, unknown fields ignored (as OpenAI-compatible servers do)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 _TYPES = {
     400: "invalid_request_error",

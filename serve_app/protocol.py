@@ -4,15 +4,16 @@ Validation is strict (``"5"`` is not a number) and parses the raw body once with
 ``model_validate_json``, so malformed JSON, wrong types and out-of-range values all become a 400
 naming the field. Unknown fields are ignored, as OpenAI-compatible servers do; known OpenAI
 features this server does not implement are rejected explicitly rather than silently dropped.
-Responses are plain dicts built in ``serve_app/responses.py``.
+What constrains the output (``response_format``, ``structured_outputs``) is read in
+``serve_app/constraints.py``, tools in ``serve_app/tools.py``. Responses are plain dicts built
+in ``serve_app/responses.py``.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from engine.sampling_params import (
     INT32_MAX,
@@ -22,8 +23,17 @@ from engine.sampling_params import (
     SamplingParams,
 )
 from engine.structured_output import StructuredOutputsParams
-from serve_app.errors import APIError, FieldError, from_validation_error
-from serve_app.tools import MAX_TOOLS, NamedToolChoice, Tool, ToolCall, ToolChoice, ToolPlan
+from serve_app.constraints import ResponseFormat, StructuredOutputs, constraint
+from serve_app.errors import APIError, FieldError, StrictModel, from_validation_error
+from serve_app.tools import (
+    MAX_TOOLS,
+    NamedToolChoice,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    ToolPlan,
+    template_arguments,
+)
 
 MAX_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
@@ -31,44 +41,12 @@ INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 TokenIds = list[Annotated[int, Field(ge=0, le=INT32_MAX)]]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
-
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = Field(False, description="Send a final chunk with token usage.")
 
 
-class JSONSchemaFormat(_Strict):
-    name: str = Field("response", max_length=64)
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(_Strict):
-    """OpenAI's ``response_format``: free text, any JSON object, or JSON following a schema."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JSONSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_given(self) -> ResponseFormat:
-        if self.type == "json_schema" and self.json_schema is None:
-            raise FieldError("response_format.json_schema", "is required when type is "
-                             "'json_schema'")
-        return self
-
-
-class StructuredOutputs(_Strict):
-    json_: dict[str, Any] | str | None = Field(None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-
-
-class _Sampling(_Strict):
+class _Sampling(StrictModel):
     """Fields shared by completions and chat."""
 
     model: str | None = Field(None, description="Served model name; the only model if omitted.")
@@ -155,12 +133,12 @@ class CompletionRequest(_Sampling):
         return list(p)
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -175,7 +153,7 @@ class ChatMessage(_Strict):
             msg["name"] = self.name
         if self.tool_calls:
             msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                "name": c.function.name, "arguments": template_arguments(c.function.arguments)}}
                 for c in self.tool_calls]
         if self.tool_call_id is not None:
             msg["tool_call_id"] = self.tool_call_id
@@ -250,40 +228,13 @@ class ChatCompletionRequest(_Sampling):
         return ToolPlan(mode, self.tools, self.parallel_tool_calls, parser=parser)
 
 
-def _arguments(text: str) -> Any:
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return text
-    return value if isinstance(value, dict) else text
-
 
 def structured_outputs(req: CompletionRequest | ChatCompletionRequest,
                        ) -> StructuredOutputsParams | None:
-    """What constrains the output: ``structured_outputs``, else a JSON ``response_format``."""
-    so, fmt = req.structured_outputs, req.response_format
+    """What constrains the output: a tool choice, ``structured_outputs`` or a JSON
+    ``response_format`` (``serve_app.constraints``)."""
     plan = req.tool_plan() if isinstance(req, ChatCompletionRequest) else None
-    if plan is not None and plan.mode != "auto":
-        return plan.constraint()
-    if so is not None:
-        if fmt is not None and fmt.type != "text":
-            raise FieldError("structured_outputs", "and a JSON response_format exclude each "
-                             "other")
-        return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice,
-                                       grammar=so.grammar, json_object=so.json_object)
-    if fmt is None or fmt.type == "text":
-        return None
-    if fmt.type == "json_object":
-        return StructuredOutputsParams(json_object=True)
-    assert fmt.json_schema is not None
-    schema = fmt.json_schema.schema_
-    params = StructuredOutputsParams(json=schema if schema is not None else {"type": "object"})
-    try:
-        params.validate()
-    except ValueError as e:  # named after the field the client sent
-        field = "response_format.json_schema.schema"
-        raise FieldError(field, str(e).replace("structured_outputs.json is ", "", 1)) from None
-    return params
+    return constraint(req.structured_outputs, req.response_format, plan)
 
 
 def parse_request(cls: type[_Sampling], body: bytes) -> Any:

@@ -26,45 +26,43 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from engine.structured_output import StructuredOutputsParams
+from serve_app.errors import StrictModel
 
 PARSERS = ("hermes", "llama3_json")
 MAX_TOOLS = 128
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
-
-class FunctionDef(_Strict):
+class FunctionDef(StrictModel):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(_Strict):
+class Tool(StrictModel):
     type: Literal["function"]
     function: FunctionDef
 
 
-class FunctionName(_Strict):
+class FunctionName(StrictModel):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictModel):
     type: Literal["function"]
     function: FunctionName
 
 
-class CalledFunction(_Strict):
+class CalledFunction(StrictModel):
     name: str
     arguments: str
 
 
-class ToolCall(_Strict):
+class ToolCall(StrictModel):
     """A call in an assistant message the client sends back (with its ``role: "tool"``
     result after it)."""
 
@@ -172,6 +170,16 @@ def _parse_llama3(text: str) -> tuple[str | None, list[dict[str, Any]]]:
             return text, []
         calls.append(_call(item["name"], item[key]))
     return None, calls
+
+
+def template_arguments(text: str) -> Any:
+    """A call's arguments as chat templates print them: the object (``tojson``), or the text
+    when it is not a JSON object."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 def template_has_tools(tokenizer: Any) -> bool:

@@ -9,6 +9,7 @@ processing), as vLLM returns by default.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,7 @@ import torch
 from engine.outputs import Logprobs
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.structured_output import mask_logits
+from engine.structured_output import GrammarState
 
 
 @dataclass
@@ -164,3 +165,16 @@ def sample_peak(logits: torch.Tensor) -> torch.Tensor:
     probs = torch.softmax(_top_k_top_p(logits / 0.7, params), dim=-1)
     probs = probs.masked_fill(probs < 0.05 * probs.amax(dim=-1, keepdim=True), 0.0)
     return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
+
+
+def mask_logits(logits: torch.Tensor, states: Sequence[GrammarState | None]) -> None:
+    """Forbid, in place, every token that would leave its row's grammar (float32 logits [rows,
+    vocab]; rows without a grammar are untouched): one bitmask, one masking call."""
+    import xgrammar as xgr
+
+    rows = [(i, s) for i, s in enumerate(states) if s is not None]
+    bitmask = xgr.allocate_token_bitmask(len(states), logits.shape[-1])
+    for i, state in rows:
+        state.matcher.fill_next_token_bitmask(bitmask, i)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device),
+                                    indices=[i for i, _ in rows])

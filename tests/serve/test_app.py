@@ -12,17 +12,21 @@ import asyncio
 import json
 import os
 import random
+import re
 import time
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import openai
+import pydantic
 import pytest
 from ray import serve
 
 from serve_app import build_app
 
 from .cluster import local_ray, make_tiny_checkpoint, wait_until
+from .test_tools import install_tool_template
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -34,7 +38,8 @@ PROMPTS = ["Hello, my name is", "The quick brown fox", "Paris is the capital of"
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
-    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama")))
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
+    return str(install_tool_template(path))  # the Hermes way (tests/serve/test_tools.py)
 
 
 @pytest.fixture(scope="module")
@@ -517,3 +522,72 @@ def test_a_huge_prompt_does_not_stall_other_streams(url):
     during = [t for t in streams.times if start + 0.2 < t < end]
     assert end - start > 1.0  # long enough for the count below to mean something
     assert len(during) >= 10, (end - start, len(during))
+
+
+# ---- structured output and tools through the official client ----------------------------------
+
+class Answer(pydantic.BaseModel):
+    ok: bool
+    digit: int = pydantic.Field(ge=0, le=9)
+    color: Literal["red", "green"]
+
+
+# short: this tokenizer spends a token on nearly every JSON character of the tool in the prompt
+TOOL = {"type": "function", "function": {"name": "pick", "parameters": {
+    "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"]}}}
+
+
+def test_structured_output_through_the_client(url, model_path):
+    client = _client(url)
+    done = client.chat.completions.parse(
+        model=model_path, messages=[{"role": "user", "content": "Answer"}],
+        response_format=Answer, max_completion_tokens=60, temperature=0)
+    assert isinstance(done.choices[0].message.parsed, Answer)
+    assert done.choices[0].finish_reason == "stop"
+    text = client.completions.create(model=model_path, prompt="Code:", max_tokens=12,
+                                     temperature=1.0, seed=3,
+                                     extra_body={"structured_outputs": {"regex": r"[0-9]{3}"}})
+    assert re.fullmatch(r"[0-9]{3}", text.choices[0].text)
+    schema = {"type": "json_schema", "json_schema": {"name": "a",
+                                                     "schema": Answer.model_json_schema()}}
+    obj = client.completions.create(model=model_path, prompt="JSON:", max_tokens=40,
+                                    temperature=0, extra_body={"response_format": schema})
+    Answer.model_validate_json(obj.choices[0].text)
+    bad = httpx.post(f"{url}/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "x"}],
+        "response_format": {"type": "json_schema", "json_schema": {
+            "name": "a", "schema": {"type": "object", "properties": {"a": {"type": 7}}}}}})
+    assert _error(bad, 400)["param"] == "response_format.json_schema.schema"
+
+
+def test_tool_calls_through_the_client(url, model_path):
+    client = _client(url)
+    messages = [{"role": "user", "content": "Pick"}]
+    calls = []
+    for choice in ("required", {"type": "function", "function": {"name": "pick"}}):
+        resp = client.chat.completions.create(model=model_path, messages=messages,
+                                              tools=[TOOL], tool_choice=choice,
+                                              parallel_tool_calls=False,
+                                              max_completion_tokens=40, temperature=0)
+        [call] = resp.choices[0].message.tool_calls
+        assert resp.choices[0].finish_reason == "tool_calls"
+        assert call.function.name == "pick" and call.id.startswith("call_")
+        assert json.loads(call.function.arguments)["n"] in (1, 2, 3)
+        calls.append(call)
+    with client.chat.completions.stream(model=model_path, messages=messages, tools=[TOOL],
+                                        tool_choice="required", parallel_tool_calls=False,
+                                        max_completion_tokens=40, temperature=0) as stream:
+        final = stream.get_final_completion()
+    [streamed] = final.choices[0].message.tool_calls
+    assert streamed.function.name == "pick" and final.choices[0].finish_reason == "tool_calls"
+    assert streamed.function.arguments == calls[0].function.arguments  # the same greedy call
+    answered = client.chat.completions.create(
+        model=model_path, tools=[TOOL], tool_choice="none", max_completion_tokens=5,
+        messages=[*messages, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function", "function": {"name": "pick",
+                                                             "arguments": '{"n": 2}'}}]},
+                  {"role": "tool", "tool_call_id": call.id, "content": "picked 2"}])
+    assert answered.choices[0].message.tool_calls is None
+    auto = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages,
+                                                          "tools": [TOOL]})
+    assert "tool_call_parser" in _error(auto, 400)["message"]

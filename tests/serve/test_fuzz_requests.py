@@ -34,16 +34,24 @@ EXTREMES = [
     True, False, None, "", "5", "é\u0000🙂\ud7ff", "x" * 5000, [], [0], [-1], [2 ** 63],
     [[0, 5], [7]], [[]], ["a"], [""], ["x"] * 100, list(range(3000)), {}, {"a": 1},
     {"type": "json_object"}, {"include_usage": True}, {"include_usage": "yes"},
+    # structured output and tools: valid and broken specifications
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}},
+    {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"schema": {"type": 5}}},
+    {"json": {"type": "object"}}, {"regex": "[a-z]{1,3}"}, {"regex": "("}, {"choice": ["a", "b"]},
+    {"choice": []}, {"grammar": 'root ::= "x"'}, {"json": "{"}, {"regex": "a", "choice": ["a"]},
+    [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    [{"type": "function", "function": {"name": "bad name!"}}], "required", "auto", "none",
+    {"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "g"}},
 ]
 COMMON = ["model", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop",
           "stop_token_ids", "stream", "stream_options", "presence_penalty",
           "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens",
           "skip_special_tokens", "include_stop_str_in_output", "user", "logit_bias",
-          "max_tokens"]
+          "max_tokens", "response_format", "structured_outputs"]
 FIELDS = {
     "completions": COMMON + ["prompt", "logprobs", "echo", "suffix"],
     "chat": COMMON + ["messages", "max_completion_tokens", "logprobs", "top_logprobs",
-                      "add_generation_prompt", "tools", "response_format"],
+                      "add_generation_prompt", "tools", "tool_choice", "parallel_tool_calls"],
 }
 BASE = {"completions": {"prompt": "Hello there", "max_tokens": 4},
         "chat": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}}
@@ -85,7 +93,7 @@ def _handle(p: PromptProcessor, endpoint: str, body: bytes):
     req = parse_request(ChatCompletionRequest, body)
     p.check_model(req.model)
     p.check_size(1, req.n, req.completion_limit(), req.max_tokens_param)
-    ids, params = p.prepare_chat(req)
+    ids, params, _ = p.prepare_chat(req)
     return [ids], params
 
 
@@ -129,7 +137,14 @@ def test_field_errors_across_fields_name_the_field(processor):
         ("completions", {"suffix": "x"}, "suffix"),
         ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
         ("chat", {"top_logprobs": 2}, "top_logprobs"),
-        ("chat", {"tools": [{"type": "function"}]}, "tools"),
+        ("chat", {"tools": [{"type": "function"}]}, "tools.0.function"),
+        ("chat", {"tool_choice": "required"}, "tool_choice"),
+        ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}],
+                  "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+        ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ("completions", {"structured_outputs": {"regex": "("}}, "structured_outputs.regex"),
+        ("completions", {"response_format": {"type": "json_schema", "json_schema": {
+            "schema": {"type": "nonsense"}}}}, "response_format.json_schema.schema"),
         ("chat", {"max_completion_tokens": 2 ** 31 - 1}, "max_completion_tokens"),
         ("completions", {"top_k": 2 ** 63}, "top_k"),
         ("completions", {"temperature": math.nan}, "temperature"),
