@@ -1,10 +1,10 @@
 """The engine's CPU kernels in C (``csrc/``): build, load, call.
 
 ``paged_attention_cpu.c`` is paged attention over the block table (no gather, no padding);
-``elementwise_cpu.c`` holds RMSNorm (+ fused residual add), SiLU-and-multiply, rotary embedding
-and the KV-cache store, each one pass over memory; ``int8_linear_cpu.c`` the int8 linear layers
-(activations quantized per row, VNNI dot products where the CPU has them). AVX-512 or AVX2 loops
-where the CPU has them, plain C (auto-vectorised) elsewhere; float32 and bfloat16.
+``elementwise_cpu.c`` holds RMSNorm (+ fused residual add), SiLU-and-multiply, rotary embedding,
+the KV-cache store and grammar masks of logits, each one pass over memory; ``int8_linear_cpu.c``
+the int8 linear layers (activations quantized per row, VNNI dot products where the CPU has
+them). AVX-512 or AVX2 loops where the CPU has them, plain C elsewhere; float32 and bfloat16.
 
 The sources are compiled on first use with the system C compiler (``$CC``, else ``cc``) for this
 machine's CPU (``-O3 -march=native -fopenmp``) into ``<build dir>/<hash>/``, keyed by the
@@ -44,8 +44,7 @@ FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=fast", "-fno-math
          "-fno-trapping-math"]  # and -march for the CPU's class (kernels/cpu_isa.py)
 MAX_HEAD = 256  # the attention kernel keeps one key row of up to 16 x 16 floats in registers
 MAX_HIDDEN = 65536
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_FP8 = 2  # the caches' fp8 E4M3 (cpu_common.h)
+_DTYPES, _FP8 = {torch.float32: 0, torch.bfloat16: 1}, 2  # element types; 2: fp8 E4M3 caches
 
 
 def _kv_dtype(query_dtype: torch.dtype, cache: torch.Tensor) -> int | None:
@@ -65,6 +64,7 @@ _SIGNATURES = {
     "store_kv_cpu": [_ptr] * 5 + [_c_i64, _c_int, _c_int] + [_c_i64] * 4 + [_c_int, _c_int,
                                                                              _c_f, _c_f],
     "int8_linear_cpu": [_ptr] * 6 + [_c_i64] * 5 + [_c_int, _c_int],
+    "mask_logits_cpu": [_ptr, _c_i64, _ptr, _c_i64, _ptr, _c_i64, _c_i64, _c_int, _c_int],
 }
 
 _lock = threading.Lock()
@@ -160,11 +160,6 @@ def _rows_ok(t: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
             and (dtype is None or t.dtype == dtype) and (t.stride(1) == 1 or t.shape[1] == 1))
 
 
-def _threads() -> int:
-    return torch.get_num_threads()
-
-
-# ----------------------------------------------------------------------------- attention
 def supports_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        block_tables: torch.Tensor, seq_lens: torch.Tensor,
                        query_start_loc: torch.Tensor) -> bool:
@@ -194,12 +189,11 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         block_tables.data_ptr(), seq_lens.data_ptr(), query_start_loc.data_ptr(),
         num_tokens, block_tables.shape[0], num_q_heads, k_cache.shape[2], head_size,
         k_cache.shape[1], block_tables.shape[1], query.stride(0), out.stride(0),
-        scale, _DTYPES[query.dtype], _kv_dtype(query.dtype, k_cache), _threads()),
+        scale, _DTYPES[query.dtype], _kv_dtype(query.dtype, k_cache), torch.get_num_threads()),
         "paged_attention_cpu")
     return out
 
 
-# ----------------------------------------------------------------------------- elementwise
 def supports_norm(x: torch.Tensor, weight: torch.Tensor,
                   residual: torch.Tensor | None = None) -> bool:
     return (_rows_ok(x) and weight.dtype == x.dtype and weight.is_contiguous()
@@ -218,7 +212,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         out.data_ptr(), x.data_ptr(), None if residual is None else residual.data_ptr(),
         weight.data_ptr(), x.shape[0], x.shape[1], x.stride(0),
         0 if residual is None else residual.stride(0), out.stride(0), eps, _DTYPES[x.dtype],
-        _threads()), "rms_norm_cpu")
+        torch.get_num_threads()), "rms_norm_cpu")
     return out
 
 
@@ -230,7 +224,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     inter = x.shape[1] // 2
     out = torch.empty((x.shape[0], inter), dtype=x.dtype)
     _check(_library().silu_and_mul_cpu(out.data_ptr(), x.data_ptr(), x.shape[0], inter, x.stride(0),
-                                 out.stride(0), _DTYPES[x.dtype], _threads()),
+                                 out.stride(0), _DTYPES[x.dtype], torch.get_num_threads()),
            "silu_and_mul_cpu")
     return out
 
@@ -251,7 +245,7 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
         positions.data_ptr(), query.data_ptr(), key.data_ptr(), cos_sin_cache.data_ptr(),
         query.shape[0], query.shape[1] // head_size, key.shape[1] // head_size, head_size,
         query.stride(0), key.stride(0), cos_sin_cache.stride(0), _DTYPES[query.dtype],
-        _threads()), "rotary_cpu")
+        torch.get_num_threads()), "rotary_cpu")
 
 
 def supports_store(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -288,5 +282,19 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, cols
         _check(_library().int8_linear_cpu(
             out.data_ptr(), x.data_ptr(), weight.data_ptr(), scale.data_ptr(), colsum.data_ptr(),
             0 if bias is None else bias.data_ptr(), m, n, k, x.stride(0), out.stride(0),
-            _DTYPES[x.dtype], _threads()), "int8_linear_cpu")
+            _DTYPES[x.dtype], torch.get_num_threads()), "int8_linear_cpu")
     return out
+
+
+def supports_mask(logits: torch.Tensor) -> bool:
+    return _rows_ok(logits) and available()
+
+
+def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set ``logits[r, t]`` to -inf where bit t of ``bitmask[r]`` (xgrammar's [rows, words]
+    int32 token bitmask) is 0, for r in ``rows``, in place."""
+    idx, bits = torch.tensor(rows, dtype=torch.int64), bitmask.to(torch.int32).contiguous()
+    _check(_library().mask_logits_cpu(
+        logits.data_ptr(), logits.stride(0), bits.data_ptr(), bits.shape[1], idx.data_ptr(),
+        len(rows), logits.shape[1], _DTYPES[logits.dtype], torch.get_num_threads()),
+        "mask_logits_cpu")

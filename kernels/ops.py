@@ -177,13 +177,26 @@ def paged_attention(
     )
 
 
+def can_mask_logits(logits: torch.Tensor) -> bool:
+    """Whether ``mask_logits`` takes these logits (the C kernel: CPU, float32 or bfloat16)."""
+    return _use_cpu(logits) and _cpu.supports_mask(logits)
+
+
+def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Grammar masks in place: ``logits[r, t] = -inf`` where bit t of ``bitmask[r]`` (an int32
+    token bitmask, 32 tokens a word) is 0, for r in ``rows`` (``can_mask_logits`` first)."""
+    _cpu.mask_logits(logits, bitmask, rows)
+
+
 __all__ = [
     "BACKENDS",
     "backend",
     "fp8_linear",
     "fused_add_rms_norm",
     "get_backend",
+    "can_mask_logits",
     "int8_linear",
+    "mask_logits",
     "paged_attention",
     "rms_norm",
     "rotary_embedding",

@@ -18,6 +18,7 @@ from engine.outputs import Logprobs
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.structured_output import GrammarState
+from kernels import ops
 
 
 @dataclass
@@ -42,16 +43,18 @@ class Sampler:
         all_greedy = all(p.greedy for p in params)
         grammars = [r.grammar for r in reqs]
         constrained = any(g is not None for g in grammars)
-        if want_logprobs or penalties or not all_greedy or constrained:
+        native_mask = constrained and ops.can_mask_logits(logits)
+        # masks are applied in place in the logits' dtype (the model's logits are not used
+        # again) where the C kernel can; xgrammar's own masking takes float32
+        if want_logprobs or penalties or not all_greedy or (constrained and not native_mask):
             # The argmax of plain greedy rows is the same on the model's dtype (bfloat16 widens
             # to float32 exactly); everything else computes in float32.
             logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        if penalties or constrained:
-            logits = logits.clone()
         if constrained:
-            mask_logits(logits, grammars)
+            mask_logits(logits, grammars, native_mask)
         if penalties:
+            logits = logits.clone()
             self._apply_penalties(logits, reqs)
         self._mask_early_stop(logits, reqs)
         if all_greedy:
@@ -167,14 +170,19 @@ def sample_peak(logits: torch.Tensor) -> torch.Tensor:
     return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
 
 
-def mask_logits(logits: torch.Tensor, states: Sequence[GrammarState | None]) -> None:
-    """Forbid, in place, every token that would leave its row's grammar (float32 logits [rows,
-    vocab]; rows without a grammar are untouched): one bitmask, one masking call."""
+def mask_logits(logits: torch.Tensor, states: Sequence[GrammarState | None],
+                native: bool) -> None:
+    """Forbid, in place, every token that would leave its row's grammar (logits [rows, vocab];
+    rows without a grammar are untouched): one bitmask, one masking call (``native``: the C
+    kernel, in the logits' dtype; else xgrammar's own)."""
     import xgrammar as xgr
 
     rows = [(i, s) for i, s in enumerate(states) if s is not None]
     bitmask = xgr.allocate_token_bitmask(len(states), logits.shape[-1])
     for i, state in rows:
         state.matcher.fill_next_token_bitmask(bitmask, i)
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device),
-                                    indices=[i for i, _ in rows])
+    indices = [i for i, _ in rows]
+    if native:
+        ops.mask_logits(logits, bitmask, indices)
+    else:
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=indices)

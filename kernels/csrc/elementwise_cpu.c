@@ -189,3 +189,25 @@ int store_kv_cpu(const void *key, const void *value, void *k_cache, void *v_cach
     }
     return 0;
 }
+
+/* Grammar masks (structured output): for each i < n, logits[rows[i], t] = -inf wherever bit
+ * t % 32 of word t / 32 of bitmask row rows[i] is 0 (xgrammar's token bitmask, [*, words]
+ * int32), for t < V, in place; float32 or bfloat16 rows strided by row_stride elements. */
+int mask_logits_cpu(void *logits, int64_t row_stride, const int32_t *bitmask, int64_t words,
+                    const int64_t *rows, int64_t n, int64_t V, int dtype, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (n * V > (1 << 20))
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t *bits = (const uint32_t *)bitmask + rows[i] * words;
+        for (int64_t w = 0; w < words && w * 32 < V; w++) {
+            const uint32_t m = bits[w];
+            if (m == 0xffffffffu) continue;
+            const int64_t t1 = w * 32 + 32 < V ? w * 32 + 32 : V;
+            for (int64_t t = w * 32; t < t1; t++) {
+                if ((m >> (t & 31)) & 1u) continue;
+                if (dtype == 1) ((uint16_t *)logits)[rows[i] * row_stride + t] = 0xff80u;
+                else ((float *)logits)[rows[i] * row_stride + t] = -INFINITY;
+            }
+        }
+    }
+    return 0;
+}

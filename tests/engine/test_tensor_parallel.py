@@ -13,12 +13,13 @@ import sys
 import time
 from pathlib import Path
 
+import jsonschema
 import pytest
 import torch
 import torch.multiprocessing as tmp
 from safetensors.torch import load_file
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, StructuredOutputsParams
 from engine.distributed import check_tp_sizes, client_store, destroy_tp_group, init_tp_group
 from engine.distributed import master_store as open_store
 from engine.llm_engine import TensorParallelError
@@ -79,6 +80,28 @@ def test_tp2_matches_tp1(ckpts, name):
     del llm  # the engine's finaliser sends the exit message and joins the rank
     gc.collect()
     assert rank_children() == []
+
+
+def test_tp2_structured_output_matches_tp1(ckpts):
+    """The grammar masks rank 0's logits (the sampler is rank 0's): same tokens as one rank."""
+    pytest.importorskip("xgrammar")
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 99},
+                                               "tags": {"type": "array", "items": {"enum": [
+                                                   "a", "b"]}, "minItems": 2, "maxItems": 6}},
+              "required": ["n", "tags"], "additionalProperties": False}
+    params = SamplingParams(max_tokens=60, temperature=0.0, n=2, seed=0,
+                            structured_outputs=StructuredOutputsParams(json=schema))
+    inputs = [{"prompt_token_ids": p} for p in PROMPTS]
+    ref = LLM(str(ckpts["llama"]), **ENGINE).generate(inputs, params, use_tqdm=False)
+    llm = LLM(str(ckpts["llama"]), tensor_parallel_size=2, **ENGINE)
+    got = llm.generate(inputs, params, use_tqdm=False)
+    for r, g in zip(ref, got, strict=True):
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in r.outputs]
+        for c in g.outputs:
+            jsonschema.validate(json.loads(c.text), schema)
+    del llm
+    gc.collect()
 
 
 @pytest.mark.parametrize("scheme", ["int8", "fp8+fp8-kv", "int8-w8a16", "fp8-w8a8"])
@@ -224,7 +247,7 @@ def test_a_dead_rank_fails_the_step_instead_of_hanging(ckpts):
 
 SCRIPT = """
 import sys, time
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, StructuredOutputsParams
 if __name__ == "__main__":
     llm = LLM(sys.argv[1], tensor_parallel_size=2, dtype="float32",
               kv_cache_memory_bytes=8 << 20, num_threads=1)

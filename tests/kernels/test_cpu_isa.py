@@ -114,6 +114,7 @@ def test_c_kernels_build_for_every_class_and_match_the_references(isa, monkeypat
         kernel_tests.test_rms_norm_and_fused_residual(dtype, 896)
         kernel_tests.test_silu_and_mul(dtype)
         kernel_tests.test_rotary_on_strided_views(dtype, 48)
+        kernel_tests.test_grammar_mask_matches_xgrammar(dtype)
     kernel_tests.test_paged_attention_decode_only_and_padding_rows()
     kernel_tests.test_paged_attention_ignores_cache_outside_the_sequence()
     kernel_tests.test_store_kv_matches_reference_and_skips_minus_one()

@@ -226,3 +226,26 @@ def test_warm_up_runs_each_weight_shape_once_per_bucket():
     bias = torch.zeros(48).bfloat16()
     # a and b share a shape; with a bias it is another kernel
     assert cpu_gemm.warm_up([(a, None), (b, None), (c, None), (a, bias)], 100) == 3 * 13
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grammar_mask_matches_xgrammar(dtype):
+    """The C mask sets exactly the tokens xgrammar's own CPU masking does, in place, on the
+    given rows only, for float32 and bfloat16 logits (a vocabulary not a multiple of 32)."""
+    xgr = pytest.importorskip("xgrammar")
+    from kernels import ops
+
+    if not ops.can_mask_logits(torch.zeros(1, 8)):
+        pytest.skip("no C kernels")
+    torch.manual_seed(0)
+    vocab, rows = 1000, [0, 2, 3]
+    bitmask = torch.randint(-2**31, 2**31 - 1, (4, (vocab + 31) // 32), dtype=torch.int32)
+    bitmask[2] = -1  # everything allowed
+    bitmask[3] = 0  # nothing allowed
+    logits = torch.randn(4, vocab).to(dtype)
+    want = logits.float().clone()
+    xgr.apply_token_bitmask_inplace(want, bitmask, indices=rows)
+    ops.mask_logits(logits, bitmask, rows)
+    assert torch.equal(logits.float(), want.to(dtype).float())
+    assert torch.isinf(logits[3]).all() and not torch.isinf(logits[1]).any()
+    assert torch.isinf(logits[0]).sum() == (want[0] == -torch.inf).sum() > 0
