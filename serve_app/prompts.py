@@ -162,10 +162,11 @@ class PromptProcessor:
         if plan is None or plan.mode != "auto":
             return plan
         if plan.parser is None:
-            raise APIError(400, 'tool_choice: "auto" needs the app\'s tool_call_parser setting '
-                           '(hermes or llama3_json); "required", a named function or "none" '
-                           'work without it',
-                           param="tool_choice" if req.tool_choice is not None else "tools")
+            field = "tool_choice" if req.tool_choice is not None else "tools"
+            raise APIError(400, f'{field}: tool_choice "auto" (the default with tools) needs '
+                           "the app's tool_call_parser setting (hermes or llama3_json); "
+                           '"required", a named function or "none" work without it',
+                           param=field)
         if not template_has_tools(self.tokenizer):
             raise APIError(400, "tools: this model's chat template does not render tools, so "
                            'the model cannot call them by itself; use tool_choice "required" '
