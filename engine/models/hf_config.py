@@ -10,7 +10,7 @@ value (they would otherwise surface later as an error about something else), and
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,9 @@ class HFConfig:
     torch_dtype: str | None
     eos_token_ids: list[int]
     quantization: CheckpointQuant | None = None  # the checkpoint's own (quantization_config)
+    # The whole config.json, for the fields only one architecture reads (its model class's
+    # ``check_config`` validates them).
+    raw: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def load(cls, folder: str | Path) -> HFConfig:
@@ -55,16 +58,12 @@ class HFConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], where: str = "config.json") -> HFConfig:
-        from engine.models.registry import check_architecture
+        from engine.models.registry import check_architecture, model_class
 
         check_no_remote_code(raw, where)
         arch = check_architecture(raw.get("architectures"), where)
         _check_fields(raw, where)
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{where}: hidden_act {raw['hidden_act']!r} is not supported "
-                             "(supported: silu)")
-        if raw.get("mlp_bias"):
-            raise ValueError(f"{where}: mlp_bias=true is not supported")
+        model_class(arch).check_config(raw, where)
         quantization = parse_checkpoint_quant(raw.get("quantization_config"), where)
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
         kind = rope.get("rope_type", rope.get("type", "default"))
@@ -101,6 +100,7 @@ class HFConfig:
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             quantization=quantization,
+            raw=raw,
         )
 
 

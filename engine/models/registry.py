@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -38,6 +38,16 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: HFConfig):
         super().__init__()
         self.cfg = cfg
+
+    @classmethod
+    def check_config(cls, raw: dict[str, Any], where: str) -> None:
+        """Refuse, with ``ValueError`` naming the field, what this class cannot build from
+        ``config.json`` (``raw``); the fields every architecture shares are checked before."""
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{where}: hidden_act {raw['hidden_act']!r} is not supported "
+                             "(supported: silu)")
+        if raw.get("mlp_bias"):
+            raise ValueError(f"{where}: mlp_bias=true is not supported")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
