@@ -43,6 +43,7 @@ class EngineRequest:
     replica: str | None = None  # the Worker replica that holds it, once routed
     routed: asyncio.Event = field(default_factory=asyncio.Event)  # routed, or over
     submitted_at: float = field(default_factory=time.monotonic)
+    arrived_at: float = field(default_factory=time.monotonic)  # at the HTTP server
     first_output_at: float | None = None
     finished: bool = False  # the Worker is done with it (its last event is queued)
     released: bool = False  # the handler no longer listens

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 from engine.config import EngineConfig
 from serve_app.autoscaling_config import AutoscalingPolicyConfig, load_policy
+from serve_app.metric_names import MetricsNaming
 
 
 def _engine_keys() -> set[str]:
@@ -50,6 +51,11 @@ class AppConfig(BaseModel):
         None, description="How `tool_choice=\"auto\"` reads tool calls in the model's text "
         "(vLLM's --tool-call-parser): hermes (Hermes, Qwen2.5) or llama3_json (Llama 3.1). "
         "Without it, requests with tools need tool_choice 'required', a named function or 'none'."
+    )
+    metrics_naming: MetricsNaming = Field(
+        "pagedserve", description="Names of the exported metrics: pagedserve's own "
+        "(pagedserve_*, labels model_name and replica) or vllm (vLLM's names as Ray Serve LLM "
+        "exports them: vllm_*, labels model_name, engine and ReplicaId)."
     )
     num_workers: int = Field(1, ge=1, description="Worker replicas, each owning one engine.")
     num_routers: int = Field(1, ge=1, description="Router (HTTP ingress) replicas.")

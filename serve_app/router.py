@@ -29,10 +29,11 @@ from engine.sampling_params import SamplingParams
 from serve_app.batcher import DynamicBatcher, EngineRequest
 from serve_app.config import AppConfig
 from serve_app.errors import APIError, install_handlers
-from serve_app.metrics import RouterMetrics, install_http_metrics
 from serve_app.prompts import PromptProcessor
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from serve_app.request_body import read_body
 from serve_app.responses import SSE_DONE, ChatFormat, CompletionFormat, sse
+from serve_app.router_metrics import RouterMetrics, install_http_metrics
 from serve_app.streams import ResponseStream
 from serve_app.wire import Part
 from serve_app.worker_client import WorkerClient, sum_stats
@@ -128,6 +129,7 @@ class Router:
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Any:
+        arrived = time.monotonic()  # time to first token counts from here, as vLLM's does
         self._authorize(request)
         req: CompletionRequest = parse_request(CompletionRequest, await self._body(request))
         p = await self._ready()
@@ -137,10 +139,11 @@ class Router:
         fmt = CompletionFormat(_response_id("cmpl", request), p.model_name, p.tokenizer,
                                len(prompts) * req.n, n=req.n,
                                want_logprobs=req.logprobs is not None, echo_texts=echo)
-        return await self._run(p, req, prompts, params, fmt, req.logprobs)
+        return await self._run(p, req, prompts, params, fmt, req.logprobs, arrived)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Any:
+        arrived = time.monotonic()
         self._authorize(request)
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest,
                                                    await self._body(request))
@@ -150,7 +153,7 @@ class Router:
         ids, params, tools = await self._off_loop(p.prepare_chat, req)
         fmt = ChatFormat(_response_id("chatcmpl", request), p.model_name, p.tokenizer, req.n,
                          want_logprobs=req.logprobs, tools=tools)
-        return await self._run(p, req, [ids], params, fmt, req.num_logprobs())
+        return await self._run(p, req, [ids], params, fmt, req.num_logprobs(), arrived)
 
     # ---- request flow ----------------------------------------------------------------------
 
@@ -160,11 +163,13 @@ class Router:
         return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, fn, *args)
 
     async def _run(self, p: PromptProcessor, req: Any, prompts: list[list[int]],
-                   params: list[SamplingParams], fmt: Any, num_logprobs: int | None) -> Any:
+                   params: list[SamplingParams], fmt: Any, num_logprobs: int | None,
+                   arrived: float) -> Any:
         """Admit, queue one engine request per prompt, and answer with SSE or JSON."""
         self._admit(len(prompts) * req.n)
         events: asyncio.Queue[tuple[EngineRequest, Part]] = asyncio.Queue()  # shared by its prompts
-        engine_reqs = [EngineRequest(ids, sp, p.prefix_hashes(ids), events=events)
+        engine_reqs = [EngineRequest(ids, sp, p.prefix_hashes(ids), events=events,
+                                     arrived_at=arrived)
                        for ids, sp in zip(prompts, params, strict=True)]
         self._active.update(engine_reqs)
         self.batcher.submit(*engine_reqs)
@@ -208,9 +213,10 @@ class Router:
         for r in engine_reqs:
             if r in self._active:
                 self._active.discard(r)
-                if r.first_output_at is not None:
+                if r.first_output_at is not None:  # for admission; the metric from arrival
                     ttft = r.first_output_at - r.submitted_at
                     self._ttft_ewma_s = 0.9 * self._ttft_ewma_s + 0.1 * ttft
+                    self.metrics.first_token(r.first_output_at - r.arrived_at)
                 self.batcher.discard(r)
                 self.workers.release(r)
 
@@ -228,17 +234,7 @@ class Router:
                            code="invalid_api_key")
 
     async def _body(self, request: Request) -> bytes:
-        limit = self.cfg.max_request_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise APIError(413, f"request body of {declared} bytes is over the limit of {limit}")
-        parts, size = [], 0
-        async for part in request.stream():  # chunked bodies too: stop reading at the limit
-            size += len(part)
-            if size > limit:
-                raise APIError(413, f"request body is over the limit of {limit} bytes")
-            parts.append(part)
-        return b"".join(parts)
+        return await read_body(request, self.cfg.max_request_body_bytes)
 
     async def _ready(self) -> PromptProcessor:
         if self.cfg.scales_to_zero() and (self.prompts is None or not self.workers.replicas()):

@@ -17,7 +17,7 @@ from engine.detokenizer import TextStream
 from engine.outputs import Logprobs
 from serve_app.batcher import EngineRequest
 from serve_app.errors import APIError
-from serve_app.wire import DonePart, Part, TokenPart
+from serve_app.wire import AbortReason, DonePart, Part, TokenPart
 
 # (token id, its logprob, top logprobs {token id: logprob}) per generated token
 LogprobEntry = tuple[int, float, dict[int, float]]
@@ -62,7 +62,8 @@ class ResponseStream:
     include_stop_str_in_output: bool
     skip_special_tokens: bool
     num_logprobs: int | None
-    release: Callable[[EngineRequest], None]  # stop listening; aborts at the Worker if running
+    # stop listening; aborts at the Worker if running, saying why
+    release: Callable[[EngineRequest, AbortReason], None]
     usage: Usage = field(default_factory=Usage)
 
     def __post_init__(self) -> None:
@@ -105,7 +106,7 @@ class ResponseStream:
                 out.append(delta)
             if self._all_stopped(p):
                 self._stopped.add(p)
-                self.release(request)  # every choice stopped on a string: abort at the Worker
+                self.release(request, "stop")  # every choice stopped on a string: abort there
                 return 1
             return 0
         if isinstance(part, DonePart):

@@ -24,11 +24,16 @@ The other calls' answers are TypedDicts: ``ModelInfo`` (``Worker.model_info``), 
 from __future__ import annotations
 
 import asyncio
-from typing import Any, NamedTuple, TypedDict
+from typing import Any, Literal, NamedTuple, TypedDict
 
 from engine.outputs import Logprobs
 from engine.sampling_params import SamplingParams
 from engine.stats import AsyncEngineStats
+
+# Why the Router aborts a request at its Worker (``Worker.abort``'s ``reason``): the client
+# left ("abort"), or a stop string matched ("stop"; the engine never sees stop strings). The
+# Worker cancels the request's task with it as the message, and its metrics count it so.
+AbortReason = Literal["abort", "stop"]
 
 # ---- generate_batch ----------------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ from engine.sampling_params import SamplingParams
 from engine.stats import AsyncEngineStats
 from serve_app import wire
 from serve_app.config import AppConfig
-from serve_app.metrics import EngineStatsSource, WorkerMetrics
+from serve_app.metrics import EngineStatsSource, WorkerMetrics, engine_info
 
 logger = logging.getLogger("ray.serve")
 
@@ -81,10 +81,8 @@ class Worker:
         defaults to Serve's id of this replica (give it outside Serve)."""
         self.engine = (engine_factory or build_engine)(config)
         self.replica_id = replica_id or serve.get_replica_context().replica_id.unique_id
-        self.metrics = WorkerMetrics.for_replica(self.engine, config, self.replica_id, {
-            "dtype": str(self.engine.dtype).removeprefix("torch."),
-            "quantization": self.engine.quantization or "none",
-            "kv_cache_dtype": self.engine.kv_cache_dtype})
+        self.metrics = WorkerMetrics.for_replica(self.engine, config, self.replica_id,
+                                                 engine_info(self.engine))
         self._pumps: dict[str, asyncio.Task[None]] = {}  # request id -> task streaming it
         self._streams: dict[str, _Stream] = {}  # stream_key -> that Router's open stream
         self._received: dict[str, int] = {}  # stream_key -> requests received (routing stats)
@@ -166,15 +164,17 @@ class Worker:
 
     # ---- control calls (routed to the named replica by WorkerRequestRouter) ----------------
 
-    async def abort(self, request_ids: list[str], target_replica: str | None = None) -> int:
-        """Abort requests of this replica; returns how many were still running here."""
+    async def abort(self, request_ids: list[str], reason: wire.AbortReason = "abort",
+                    target_replica: str | None = None) -> int:
+        """Abort requests of this replica (``reason``: why, for the metrics); returns how many
+        were still running here."""
         found = 0
         for request_id in request_ids:
             task = self._pumps.pop(request_id, None)
             if task is not None:
                 found += 1
                 self.aborted_total += 1
-                task.cancel()  # ends its generate() stream, which aborts it in the engine
+                task.cancel(reason)  # ends its generate() stream, which aborts it in the engine
             self.engine.abort(request_id)
         return found
 

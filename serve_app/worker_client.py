@@ -152,8 +152,9 @@ class WorkerClient:
         logger.info("retrying %d requests of a batch whose Worker died", len(requests))
         await self.run_batch(failed.retry(requests))
 
-    def release(self, request: EngineRequest) -> None:
-        """The handler stops listening (done, stop string, or client gone): free the request."""
+    def release(self, request: EngineRequest, reason: wire.AbortReason = "abort") -> None:
+        """The handler stops listening (done, stop string, or client gone): free the request
+        (``reason`` says why, if it is still running at a Worker)."""
         if not request.release():
             return
         batch = request.batch
@@ -162,7 +163,7 @@ class WorkerClient:
         if request.replica is not None:
             # Routed: abort it there. Its stream may carry other batches' requests (and more
             # may be joining), so the stream's call is never cancelled for a client leaving.
-            self.abort(request.replica, [request.request_id])
+            self.abort(request.replica, [request.request_id], reason)
         elif batch.all_released() and batch.task is not None and not batch.task.done():
             batch.task.cancel()  # not at a Worker yet: drop the call
 
@@ -171,10 +172,11 @@ class WorkerClient:
         if released and released[0].replica is not None:
             self.abort(released[0].replica, [r.request_id for r in released])
 
-    def abort(self, replica: str, request_ids: list[str]) -> None:
+    def abort(self, replica: str, request_ids: list[str],
+              reason: wire.AbortReason = "abort") -> None:
         """Abort at the replica that holds the requests (fire and forget, bounded)."""
-        call = fresh_call(lambda: self._handle.abort.remote(request_ids=request_ids,
-                                                             target_replica=replica))
+        call = fresh_call(lambda: self._handle.abort.remote(
+            request_ids=request_ids, reason=reason, target_replica=replica))
         self._spawn(_bounded(call, CONTROL_TIMEOUT_S))
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:

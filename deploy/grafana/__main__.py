@@ -23,6 +23,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--folder-uid", default=None,
                    help="the uid of an existing folder to put the dashboard in (default: General)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per HTTP request")
+    p.add_argument("--metrics-naming", choices=["pagedserve", "vllm"], default="pagedserve",
+                   help="the app's metrics_naming: which names the dashboard queries")
     args = p.parse_args(argv)
     if not args.url or not args.token:
         p.error("--url and --token are required (or set GRAFANA_URL and GRAFANA_TOKEN)")
@@ -33,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         result = provision(args.url, args.token, args.prometheus_url, args.folder_uid,
-                           args.timeout)
+                           args.timeout, args.metrics_naming)
     except ProvisionError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

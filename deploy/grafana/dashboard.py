@@ -1,18 +1,21 @@
 """The pagedserve Grafana dashboard, built as code with ``grafana-foundation-sdk``.
 
-Every query reads the series Ray's metrics export serves (``serve_app/metrics.py`` for the
-``ray_pagedserve_*`` ones, Ray Serve's own ``ray_serve_*``), selected by the ``model_name`` and
-``replica`` variables (Serve panels by ``application``), through a Prometheus data-source
+Every query reads the series Ray's metrics export serves (``serve_app/metrics.py`` for
+pagedserve's, named as ``metrics_naming`` says: ``ray_pagedserve_*`` by default, vLLM's
+``ray_vllm_*`` with ``vllm``; Ray Serve's own ``ray_serve_*``), selected by the ``model_name``
+and ``replica`` variables (Serve panels by ``application``), through a Prometheus data-source
 variable whose default is the data source ``python -m deploy.grafana`` provisions.
 
 Histograms are shown as quantiles of their buckets, never as ``_sum / _count`` means: Ray's
 exporter (2.60) reports a histogram's ``_sum`` as an estimate from its bucket midpoints.
 
-    python -m deploy.grafana.dashboard [PATH]   # write the JSON (default: pagedserve.json here)
+    python -m deploy.grafana.dashboard [PATH] [--metrics-naming vllm]
+        # write the JSON (default: pagedserve.json here, for the default naming)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -30,6 +33,8 @@ from grafana_foundation_sdk.models.dashboard import (
     VariableSort,
 )
 
+from serve_app.metric_names import MetricsNaming, Naming
+
 UID = "pagedserve"
 TITLE = "pagedserve"
 DATASOURCE_UID = "pagedserve-prometheus"  # the data source provisioning creates
@@ -37,7 +42,6 @@ DATASOURCE_NAME = "pagedserve-prometheus"
 JSON_PATH = Path(__file__).with_name("pagedserve.json")
 
 RATE = "[$__rate_interval]"
-ENGINE = '{model_name=~"$model_name", replica=~"$replica"}'
 ROUTER = '{model_name=~"$model_name"}'
 WORKERS = '{deployment="Worker", application=~"$application"}'
 QUANTILES = (0.5, 0.9, 0.99)
@@ -45,9 +49,22 @@ QUANTILES = (0.5, 0.9, 0.99)
 _DS = DataSourceRef(type_val="prometheus", uid="${datasource}")
 
 
+_naming = Naming()  # the spelling the panels below are built for (``build`` sets it)
+
+
 def m(name: str) -> str:
-    """The exported name of a pagedserve metric."""
-    return f"ray_pagedserve_{name}"
+    """The exported name of a pagedserve metric in the naming being built."""
+    return _naming.exported(name)
+
+
+def replica() -> str:
+    """The label that holds a series' replica id in the naming being built."""
+    return _naming.replica_label
+
+
+def engine() -> str:
+    """The selector of a Worker's series."""
+    return f'{{model_name=~"$model_name", {replica()}=~"$replica"}}'
 
 
 # ---- queries ------------------------------------------------------------------------------------
@@ -83,12 +100,12 @@ def panel(title: str, targets: list[tuple[str, str]], unit: str = "short", width
 
 def throughput_panels() -> list[timeseries.Panel]:
     return [
-        panel("Tokens / s", [(rate(m("prompt_tokens_total"), ENGINE, "model_name"),
+        panel("Tokens / s", [(rate(m("prompt_tokens_total"), engine(), "model_name"),
                               "prompt {{model_name}}"),
-                             (rate(m("generation_tokens_total"), ENGINE, "model_name"),
+                             (rate(m("generation_tokens_total"), engine(), "model_name"),
                               "generation {{model_name}}")],
               description="Prompt tokens added and tokens generated per second."),
-        panel("Finished requests / s", [(rate(m("request_success_total"), ENGINE,
+        panel("Finished requests / s", [(rate(m("request_success_total"), engine(),
                                               "finished_reason"), "{{finished_reason}}")],
               unit="reqps", description="By finish reason: stop, length, abort."),
         panel("HTTP responses / s", [(rate(m("http_requests_total"), ROUTER, "status"),
@@ -98,31 +115,37 @@ def throughput_panels() -> list[timeseries.Panel]:
 
 
 def latency_panels() -> list[timeseries.Panel]:
-    specs = [("Time to first token", "time_to_first_token_seconds"),
-             ("Inter-token latency", "inter_token_latency_seconds"),
+    specs = [("Inter-token latency", "inter_token_latency_seconds"),
+             ("Time per output token", "request_time_per_output_token_seconds"),
              ("End-to-end latency", "e2e_request_latency_seconds"),
-             ("Queue time", "request_queue_time_seconds")]
-    return [panel(title, quantile_targets(m(name), ENGINE), unit="s", width=6)
-            for title, name in specs]
+             ("Queue time", "request_queue_time_seconds"),
+             ("Engine time to first token", "engine_time_to_first_token_seconds")]
+    return [panel("Time to first token",
+                  quantile_targets(m("time_to_first_token_seconds"), ROUTER), unit="s",
+                  width=4, description="From arrival at the HTTP server (the Router).")] + [
+        panel(title, quantile_targets(m(name), engine()), unit="s", width=4)
+        for title, name in specs]
 
 
 def engine_panels() -> list[timeseries.Panel]:
-    hits = rate(m("prefix_cache_hits_total"), ENGINE)
-    queries = rate(m("prefix_cache_queries_total"), ENGINE)
+    hits = rate(m("prefix_cache_hits_total"), engine())
+    queries = rate(m("prefix_cache_queries_total"), engine())
     return [
         panel("Requests running and waiting",
-              [(f'sum by (replica) ({m("num_requests_running")}{ENGINE})', "running {{replica}}"),
-               (f'sum by (replica) ({m("num_requests_waiting")}{ENGINE})', "waiting {{replica}}")]),
-        panel("KV-cache usage", [(f'max by (replica) ({m("kv_cache_usage_perc")}{ENGINE})',
-                                  "{{replica}}")], unit="percentunit", max_val=1),
+              [(f'sum by ({replica()}) ({m("num_requests_running")}{engine()})',
+                f"running {{{{{replica()}}}}}"),
+               (f'sum by ({replica()}) ({m("num_requests_waiting")}{engine()})',
+                f"waiting {{{{{replica()}}}}}")]),
+        panel("KV-cache usage", [(f'max by ({replica()}) ({m("kv_cache_usage_perc")}{engine()})',
+                                  f"{{{{{replica()}}}}}")], unit="percentunit", max_val=1),
         panel("Prefix-cache hit rate", [(f"{hits} / {queries}", "hit rate")],
               unit="percentunit", max_val=1,
               description="Prompt tokens found in the prefix cache / prompt tokens looked up."),
-        panel("Preemptions / s", [(rate(m("num_preemptions_total"), ENGINE, "replica"),
-                                   "{{replica}}")]),
-        panel("Engine step time", quantile_targets(m("iteration_duration_seconds"), ENGINE),
+        panel("Preemptions / s", [(rate(m("num_preemptions_total"), engine(), replica()),
+                                   f"{{{{{replica()}}}}}")]),
+        panel("Engine step time", quantile_targets(m("iteration_duration_seconds"), engine()),
               unit="s"),
-        panel("Tokens per step", quantile_targets(m("iteration_tokens_total"), ENGINE),
+        panel("Tokens per step", quantile_targets(m("iteration_tokens_total"), engine()),
               description="Prefill and decode tokens computed in one engine step."),
     ]
 
@@ -131,8 +154,8 @@ def router_panels() -> list[timeseries.Panel]:
     return [
         panel("Router batch size", quantile_targets(m("router_batch_size"), ROUTER),
               description="Requests per batch sent to a Worker."),
-        panel("Batches / s", [(rate(m("router_batch_size_count"), ROUTER, "replica"),
-                               "{{replica}}")], unit="reqps"),
+        panel("Batches / s", [(rate(m("router_batch_size_count"), ROUTER, replica()),
+                               f"{{{{{replica()}}}}}")], unit="reqps"),
         panel("Rejected (429) / s", [(rate(m("router_requests_rejected_total"), ROUTER, "cause"),
                                       "{{cause}}")], unit="reqps",
               description="Requests refused with 429, by cause."),
@@ -174,7 +197,7 @@ def variables() -> list[Any]:
                        f'label_values({m("num_requests_running")}, model_name)'),
         label_variable("replica", "Worker replica",
                        f'label_values({m("num_requests_running")}{{model_name=~"$model_name"}}, '
-                       "replica)"),
+                       f"{replica()})"),
         label_variable("application", "Serve application",
                        'label_values(ray_serve_deployment_replica_healthy{deployment="Worker"}, '
                        "application)"),
@@ -186,7 +209,10 @@ ROWS = [("Throughput", throughput_panels), ("Latency", latency_panels),
         ("Replicas and autoscaling (Ray Serve)", serve_panels)]
 
 
-def build() -> dash.Dashboard:
+def build(naming: MetricsNaming = "pagedserve") -> dash.Dashboard:
+    """The dashboard for the series as ``metrics_naming: naming`` spells them."""
+    global _naming
+    _naming = Naming(naming)
     d = (dash.Dashboard(TITLE).uid(UID).tags(["pagedserve", "llm", "ray-serve"])
          .description("pagedserve: throughput, latency, scheduler, KV cache, router and "
                       "replicas. Generated by deploy/grafana/dashboard.py.")
@@ -203,9 +229,9 @@ def build() -> dash.Dashboard:
     return d
 
 
-def dashboard_json() -> dict[str, Any]:
+def dashboard_json(naming: MetricsNaming = "pagedserve") -> dict[str, Any]:
     """The dashboard model as Grafana's HTTP API takes it."""
-    return json.loads(json.dumps(build().build(), cls=JSONEncoder))
+    return json.loads(json.dumps(build(naming).build(), cls=JSONEncoder))
 
 
 def expressions(model: dict[str, Any] | None = None) -> list[str]:
@@ -215,14 +241,17 @@ def expressions(model: dict[str, Any] | None = None) -> list[str]:
     return exprs + [v["query"] for v in model["templating"]["list"] if v["type"] == "query"]
 
 
-def render() -> str:
-    return json.dumps(dashboard_json(), indent=2, sort_keys=True) + "\n"
+def render(naming: MetricsNaming = "pagedserve") -> str:
+    return json.dumps(dashboard_json(naming), indent=2, sort_keys=True) + "\n"
 
 
 def main(argv: list[str]) -> None:
-    path = Path(argv[0]) if argv else JSON_PATH
-    path.write_text(render())
-    print(f"wrote {path}")
+    p = argparse.ArgumentParser(prog="python -m deploy.grafana.dashboard")
+    p.add_argument("path", nargs="?", type=Path, default=JSON_PATH)
+    p.add_argument("--metrics-naming", choices=["pagedserve", "vllm"], default="pagedserve")
+    args = p.parse_args(argv)
+    args.path.write_text(render(args.metrics_naming))
+    print(f"wrote {args.path}")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from grafana_client.client import (
 )
 
 from deploy.grafana.dashboard import DATASOURCE_NAME, DATASOURCE_UID, UID, dashboard_json
+from serve_app.metric_names import MetricsNaming
 
 DEFAULT_PROMETHEUS_URL = "http://localhost:9090"
 SCRAPE_INTERVAL = "10s"  # as in deploy/prometheus/prometheus.yml: Grafana's $__rate_interval base
@@ -43,12 +44,14 @@ def datasource_model(prometheus_url: str) -> dict[str, Any]:
 
 
 def provision(url: str, token: str, prometheus_url: str = DEFAULT_PROMETHEUS_URL,
-              folder_uid: str | None = None, timeout_s: float = 10.0) -> ProvisionResult:
-    """Create or update the data source, then the dashboard, in the Grafana at ``url``."""
+              folder_uid: str | None = None, timeout_s: float = 10.0,
+              metrics_naming: MetricsNaming = "pagedserve") -> ProvisionResult:
+    """Create or update the data source, then the dashboard (for the series as the app's
+    ``metrics_naming`` spells them), in the Grafana at ``url``."""
     api = GrafanaApi.from_url(url, credential=token, timeout=timeout_s)
     try:
         ds = _upsert_datasource(api, datasource_model(prometheus_url))
-        dash, dash_url = _upsert_dashboard(api, dashboard_json(), folder_uid)
+        dash, dash_url = _upsert_dashboard(api, dashboard_json(metrics_naming), folder_uid)
     except GrafanaUnauthorizedError:
         raise ProvisionError(f"Grafana at {url} refused the token (401 Unauthorized): pass a "
                              "valid service-account token with --token") from None

@@ -9,6 +9,7 @@ exit 1 with a one-line reason.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ import pytest
 from deploy.grafana import dashboard
 from deploy.grafana.__main__ import main
 from deploy.grafana.provision import datasource_model
+from tests.serve.test_worker_metrics import recorded  # noqa: F401  (Ray's metric classes, stubbed)
 
 from .cluster import ROOT, free_port
 
@@ -202,3 +204,33 @@ def test_dashboard_shape():
     for p in model["panels"]:
         for t in p.get("targets") or []:
             assert t["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+
+
+def test_vllm_naming_dashboard_reads_only_series_that_naming_exports(recorded):  # noqa: F811
+    """Built for ``metrics_naming: vllm``, every pagedserve series the dashboard queries is one
+    the Worker and Router metrics create under that naming (the pagedserve naming is checked
+    against a live scrape in ``test_metrics.py``), and replicas are selected by ``ReplicaId``."""
+    from serve_app import metrics, router_metrics
+    from serve_app.metric_names import Naming
+    from tests.serve.test_worker_metrics import FakeEngine
+
+    naming = Naming("vllm")
+    metrics.WorkerMetrics(FakeEngine(), "m", "r", naming=naming)
+    router_metrics.RouterMetrics("m", "r", naming)
+    exported = {naming.exported(n.removeprefix("pagedserve_")) if n.startswith("pagedserve_")
+                else naming.exported(_vllm_key(n)) for n in recorded}
+    series = {re.sub(r"_(bucket|count)$", "", name)
+              for expr in dashboard.expressions(dashboard.dashboard_json("vllm"))
+              for name in re.findall(r"\bray_\w+", expr) if not name.startswith("ray_serve_")}
+    assert series and series <= exported, series - exported
+    assert any(s.startswith("ray_vllm_") for s in series)
+    variables = {v["name"]: v["query"] for v in dashboard.dashboard_json("vllm")["templating"]["list"]
+                 if v["type"] == "query"}
+    assert variables["replica"].endswith(", ReplicaId)")
+    assert dashboard.dashboard_json() != dashboard.dashboard_json("vllm")
+
+
+def _vllm_key(name):
+    from serve_app.metric_names import VLLM_NAMES
+
+    return next(k for k, v in VLLM_NAMES.items() if "vllm_" + v == name)

@@ -27,7 +27,7 @@ def test_stop_string_cuts_text_and_releases_the_request():
         released = []
         stream = ResponseStream([r], tok, stop=[" brown"], include_stop_str_in_output=False,
                                 skip_special_tokens=True, num_logprobs=None,
-                                release=released.append)
+                                release=lambda req, reason: released.append((req, reason)))
         for t in ids:
             r.put(TokenPart(0, 0, [t], None, None))
         r.put(DonePart(0, 4, 0))
@@ -41,4 +41,4 @@ def test_stop_string_cuts_text_and_releases_the_request():
     text, finish, released = asyncio.run(run())
     assert text == "The quick"
     assert finish == "stop"
-    assert len(released) == 1
+    assert len(released) == 1 and released[0][1] == "stop"  # counted as a stop, not an abort

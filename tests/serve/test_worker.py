@@ -149,3 +149,31 @@ def test_the_router_and_the_engine_bound_token_ids_by_the_same_vocabulary(config
         assert DonePart(0, 3, 0) in _ends(messages)
 
     _run(config, test)
+
+
+def test_stop_string_aborts_count_as_stops_and_cache_info(config, recorded):  # noqa: F811
+    """The Router aborts a request whose text hit a stop string with reason "stop": the real
+    engine's request ends, and the Worker's metrics count it as a stop; one aborted because its
+    client left counts as an abort. ``cache_config_info`` says the KV cache's settings."""
+    from tests.serve.test_worker_metrics import _full
+
+    async def test(worker: Worker) -> None:
+        for rid, reason in (("a", "stop"), ("b", "abort")):
+            stream = worker.generate_batch([WorkerRequest(rid, [0, 3], _params(100))])
+            await stream.__anext__()
+            await stream.__anext__()  # a first step: it is running
+            assert await worker.abort([rid], reason) == 1
+            assert isinstance(_ends([m async for m in stream])[-1], DonePart)
+        await _idle(worker)
+        reasons = [tags["finished_reason"]
+                   for _, tags in recorded[_full("request_success_total")].calls]
+        assert reasons == ["stop", "abort"]
+        (value, tags), = recorded[_full("cache_config_info")].calls
+        num_blocks = str(worker.engine.get_stats()["num_total_blocks"])
+        assert value == 1.0 and tags == {"model_name": str(config.engine.model.model),
+                                         "replica": "w1", "block_size": "8",
+                                         "num_gpu_blocks": num_blocks,
+                                         "cache_dtype": "float32",
+                                         "enable_prefix_caching": "True"}
+
+    _run(config, test)

@@ -88,11 +88,13 @@ def test_leaving_early_aborts_at_the_replica_or_cancels_the_batch():
         batch.mark_routed("rep-7")
         assert a.batch is b.batch is batch and a.replica == b.replica == "rep-7"
         client.release(a)
-        client.release(b)
+        client.release(b, "stop")  # its text hit a stop string: the Worker counts a stop
         await asyncio.sleep(0.01)
         assert handle.calls == [
-            ("abort", {"request_ids": [a.request_id], "target_replica": "rep-7"}),
-            ("abort", {"request_ids": [b.request_id], "target_replica": "rep-7"})]
+            ("abort", {"request_ids": [a.request_id], "reason": "abort",
+                       "target_replica": "rep-7"}),
+            ("abort", {"request_ids": [b.request_id], "reason": "stop",
+                       "target_replica": "rep-7"})]
         assert not batch.task.done()
         c, d = _req(), _req()
         unrouted = Batch([c, d], task=asyncio.get_running_loop().create_task(asyncio.sleep(10)))
