@@ -49,7 +49,7 @@ class LLMEngine:
         """``rank_launcher`` starts ranks 1..N-1 when ``tensor_parallel_size`` N > 1 (default:
         spawned local processes, one device each)."""
         self.config = config = config or EngineConfig.from_kwargs(**kwargs)
-        from engine.default_model import DEFAULT_MODEL_NAME, default_model_path
+        from engine.models.default_model import DEFAULT_MODEL_NAME, default_model_path
 
         model_path = config.model.model or str(default_model_path())
         self.model_name = config.model.model or DEFAULT_MODEL_NAME

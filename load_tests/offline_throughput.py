@@ -111,7 +111,7 @@ def _build_checkpoint(path: Path, shape: dict) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from engine.default_model import default_model_path
+    from engine.models.default_model import default_model_path
 
     tok_dir = default_model_path()
     eos = json.loads((tok_dir / "config.json").read_text()).get("eos_token_id")

@@ -17,7 +17,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
-MODEL=${1:-$($PY -m engine.default_model)}
+MODEL=${1:-$($PY -m engine.models.default_model)}
 N=${2:-128}
 C=${3:-64}
 VLLM_PY=${VLLM_PY:-/tmp/vllm-venv/bin/python}

@@ -109,7 +109,7 @@ def counter(naming: Naming, key: str, description: str, extra: tuple[str, ...] =
 
 def served_model_name(cfg: Any) -> str:
     """The ``model_name`` label: the name clients use (as vLLM's ``model_name``)."""
-    from engine.default_model import DEFAULT_MODEL_NAME
+    from engine.models.default_model import DEFAULT_MODEL_NAME
 
     return cfg.served_model_name or cfg.engine.model.model or DEFAULT_MODEL_NAME
 

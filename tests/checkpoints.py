@@ -35,7 +35,7 @@ def make_checkpoint(path: str | Path, arch: str = "llama", seed: int = 0,
         Qwen2ForCausalLM,
     )
 
-    from engine.default_model import default_model_path
+    from engine.models.default_model import default_model_path
 
     classes = {"llama": (LlamaConfig, LlamaForCausalLM),
                "qwen2": (Qwen2Config, Qwen2ForCausalLM),

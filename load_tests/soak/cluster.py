@@ -58,7 +58,7 @@ class LocalApp:
         prepare_cluster_env()  # what `serve run` gets from build_app: the app's ingress
         self.args = app_args
         if not app_args.get("model"):  # build the default model once here, not in each Worker
-            from engine.default_model import default_model_path
+            from engine.models.default_model import default_model_path
 
             default_model_path()
         self.cfg = AppConfig.model_validate(app_args)  # fails here, not in the controller

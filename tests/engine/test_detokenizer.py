@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.default_model import default_model_path
 from engine.detokenizer import TextStream
+from engine.models.default_model import default_model_path
 from engine.tokenizer import load_tokenizer
 
 # Characters the tokenizer never saw in training: each is several byte-level tokens.

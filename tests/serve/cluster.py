@@ -20,7 +20,7 @@ def make_tiny_checkpoint(path: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from engine.default_model import default_model_path
+    from engine.models.default_model import default_model_path
 
     src = Path(default_model_path())
     base = LlamaConfig.from_pretrained(src)

@@ -38,7 +38,7 @@ FAST = {"target_queue_per_replica": 2, "max_kv_usage": 0.9, "downscale_threshold
 
 @pytest.fixture(scope="module")
 def base():
-    from engine.default_model import default_model_path
+    from engine.models.default_model import default_model_path
 
     default_model_path()  # build it once here, not in each Worker
     with local_ray() as url:

@@ -17,7 +17,7 @@ def _req(n_tokens: int = 4) -> EngineRequest:
 def test_stop_string_cuts_text_and_releases_the_request():
     from transformers import AutoTokenizer
 
-    from engine.default_model import default_model_path
+    from engine.models.default_model import default_model_path
 
     tok = AutoTokenizer.from_pretrained(str(default_model_path()))
     ids = tok("The quick brown fox jumps", add_special_tokens=False).input_ids

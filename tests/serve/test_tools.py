@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from engine import LLM
-from engine.default_model import default_model_path
+from engine.models.default_model import default_model_path
 from engine.tokenizer import load_tokenizer
 from serve_app.errors import APIError
 from serve_app.prompts import PromptProcessor

@@ -1,5 +1,5 @@
 """The default model: a small random-weight Llama with a real byte-level BPE tokenizer and a chat
-template, built offline in seconds on first use (``python -m engine.default_model DIR``).
+template, built offline in seconds on first use (``python -m engine.models.default_model DIR``).
 
 Its text is gibberish, but everything about loading, batching and serving it is real. The build
 is deterministic: the same files on every machine with the same library versions.
