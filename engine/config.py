@@ -197,9 +197,6 @@ def resolve_max_model_len(requested: int | None, hf: HFConfig) -> int:
     if requested > limit:
         raise ValueError(f"max_model_len={requested} is over the model's "
                          f"max_position_embeddings={limit}")
-    if hf.sliding_window and requested > hf.sliding_window:
-        raise ValueError(f"sliding-window attention is not supported: set max_model_len <= "
-                         f"sliding_window={hf.sliding_window} (got {requested})")
     return requested
 
 

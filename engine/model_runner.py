@@ -46,6 +46,7 @@ class ModelRunner:
                  device: torch.device, dtype: torch.dtype, max_model_len: int,
                  progress: bool = True):
         self.config, self.hf, self.device, self.dtype = config, hf, device, dtype
+        hf.max_model_len = max_model_len  # the model's rotary embedding may read it
         configure_kernels(config.device)
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len

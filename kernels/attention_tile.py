@@ -3,7 +3,10 @@
 One program holds BLOCK_M query rows (query tokens x the GQA heads of one kv head) and walks the
 context in tiles of TILE_N key positions, gathering each key's cache block from the block table,
 so the tile size is independent of the cache's block_size. Scores live in the log2 domain
-(qk_scale = softmax scale * log2(e)); everything accumulates in float32.
+(qk_scale = softmax scale * log2(e)); everything accumulates in float32. A sliding window hides
+keys at positions <= q_pos - window (the launchers pass a huge window when there is none), and a
+soft cap c maps each scaled score s to c * tanh(s / c) (passed as c * log2(e), in the log2
+domain, with the SOFTCAP flag).
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ class TileLaunchArgs(TypedDict):
     """The launch arguments both attention kernels take for `attend_range`."""
 
     qk_scale: float  # softmax scale * log2(e)
+    window: int  # sliding window in keys (1 << 30: none)
+    softcap: float  # soft cap * log2(e) (read only when SOFTCAP)
+    SOFTCAP: bool
     TILE_N: int
     D_PAD: int
     FP32_DOT: bool
@@ -32,6 +38,27 @@ def load_rows(ptr, row_offs, row_valid, head_size, D_PAD: tl.constexpr, FP32: tl
     if FP32:
         x = x.to(tl.float32)
     return x
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from one exp2 of -2|x| (no overflow; libdevice is not there under the interpreter)."""
+    e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # exp(-2|x|)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0.0, -t, t)
+
+
+@triton.jit
+def _scores(q, k, qk_scale, softcap, FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr):
+    """q k^T scaled into the log2 domain (and soft-capped), float32."""
+    if FP32_DOT:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k.to(q.dtype)))  # an fp8 cache is upcast to q's type
+    s = s * qk_scale
+    if SOFTCAP:
+        s = softcap * _tanh(s / softcap)
+    return s
 
 
 @triton.jit
@@ -60,6 +87,8 @@ def attend_range(
     kv_start,  # first key position to visit
     kv_end,  # one past the last key position to visit
     qk_scale,  # softmax scale * log2(e)
+    window,  # keys at positions <= q_pos - window are hidden (sliding window)
+    softcap,  # soft cap * log2(e), read when SOFTCAP
     stride_cb,  # cache block stride (elements)
     stride_co,  # cache in-block token stride
     head_size,  # D
@@ -68,6 +97,7 @@ def attend_range(
     D_PAD: tl.constexpr,  # next power of two >= D; dims >= D are masked
     BLOCK_SIZE: tl.constexpr,  # cache block size (power of two)
     FP32_DOT: tl.constexpr,  # upcast K/V/P to fp32 and use IEEE fp32 dots
+    SOFTCAP: tl.constexpr,  # cap the scores: softcap * tanh(s / softcap)
 ):
     dims = tl.arange(0, D_PAD)
     dim_ok = dims[None, :] < head_size
@@ -79,12 +109,10 @@ def attend_range(
         in_range = pos < kv_end
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head_offset, pos,
                              in_range, dims, dim_ok, stride_cb, stride_co, BLOCK_SIZE)
-        if FP32_DOT:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k.to(q.dtype)))  # an fp8 cache is upcast to q's type
+        s = _scores(q, k, qk_scale, softcap, FP32_DOT, SOFTCAP)
         visible = row_valid[:, None] & in_range[None, :] & (pos[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s * qk_scale, float("-inf"))
+        visible = visible & (pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
         p = tl.exp2(s - m_safe[:, None])

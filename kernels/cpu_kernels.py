@@ -56,7 +56,7 @@ def _kv_dtype(query_dtype: torch.dtype, cache: torch.Tensor) -> int | None:
 _c_int, _c_i64, _c_f, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
     "paged_attention_cpu": [_ptr] * 7 + [_c_i64] + [_c_int] * 6 + [_c_i64, _c_i64, _c_f,
-                                                                    _c_int, _c_int, _c_int],
+                                                                    _c_int, _c_f] + [_c_int] * 3,
     "rms_norm_cpu": [_ptr] * 4 + [_c_i64, _c_int, _c_i64, _c_i64, _c_i64, _c_f, _c_int, _c_int],
     "silu_and_mul_cpu": [_ptr, _ptr, _c_i64, _c_int, _c_i64, _c_i64, _c_int, _c_int],
     "rotary_cpu": [_ptr] * 4 + [_c_i64, _c_int, _c_int, _c_int, _c_i64, _c_i64, _c_i64, _c_int,
@@ -180,17 +180,17 @@ def supports_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                    query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+                    query_start_loc: torch.Tensor, scale: float, sliding_window: int = 0,
+                    softcap: float = 0.0) -> torch.Tensor:
     """query [T, Hq, D] -> [T, Hq, D]: the contract of ``kernels.ops.paged_attention``."""
-    num_tokens, num_q_heads, head_size = query.shape
     out = torch.empty(query.shape, dtype=query.dtype)
     _check(_library().paged_attention_cpu(
         out.data_ptr(), query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), seq_lens.data_ptr(), query_start_loc.data_ptr(),
-        num_tokens, block_tables.shape[0], num_q_heads, k_cache.shape[2], head_size,
-        k_cache.shape[1], block_tables.shape[1], query.stride(0), out.stride(0),
-        scale, _DTYPES[query.dtype], _kv_dtype(query.dtype, k_cache), torch.get_num_threads()),
-        "paged_attention_cpu")
+        query.shape[0], block_tables.shape[0], query.shape[1], k_cache.shape[2], query.shape[2],
+        k_cache.shape[1], block_tables.shape[1], query.stride(0), out.stride(0), scale,
+        sliding_window or 0, softcap or 0.0, _DTYPES[query.dtype],
+        _kv_dtype(query.dtype, k_cache), torch.get_num_threads()), "paged_attention_cpu")
     return out
 
 

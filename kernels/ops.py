@@ -16,6 +16,7 @@ import torch
 from kernels import activation as _act
 from kernels import cpu_kernels as _cpu
 from kernels import fp8_linear as _fp8
+from kernels import fused_moe as _moe
 from kernels import int8_gemm as _int8
 from kernels import kv_cache as _kv
 from kernels import paged_attention as _attn
@@ -112,6 +113,18 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     return _fp8.fp8_linear_ref(x, q, scale, bias)
 
 
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Top-k experts' gated MLPs (w13 [E, 2I, H], w2 [E, H, I]) of x [T, H], weighted by
+    topk_weights [T, K] and summed -> [T, H]: the Triton grouped GEMM on CUDA, grouped_mm on
+    the CPU (``kernels/fused_moe.py``), else the per-expert reference."""
+    if _use_triton(x):
+        return _moe.fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+    if _use_cpu(x) and _moe.grouped_mm_supported(x):
+        return _moe.fused_moe_cpu(x, w13, w2, topk_weights, topk_ids)
+    return _moe.fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+
+
 def rotary_embedding(
     positions: torch.Tensor,
     query: torch.Tensor,
@@ -158,22 +171,26 @@ def paged_attention(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal GQA attention of query [T, Hq, D] over the paged cache -> [T, Hq, D]. The caches
     hold query's dtype or fp8 E4M3, read upcast (their scales are the caller's: the key scale
-    folded into ``scale``, the value scale applied to the output)."""
+    folded into ``scale``, the value scale applied to the output). ``sliding_window`` > 0: each
+    query sees its last that many positions; ``softcap`` > 0: scores capped to
+    softcap * tanh(score / softcap) (``paged_attention_ref``)."""
     fn: Callable[..., torch.Tensor]
     if _use_triton(query):
         fn = _attn.paged_attention_triton
     elif _use_cpu(query) and _cpu.supports_attention(query, k_cache, v_cache, block_tables,
                                                      seq_lens, query_start_loc):
         return _cpu.paged_attention(query, k_cache, v_cache, block_tables, seq_lens,
-                                    query_start_loc, scale)
+                                    query_start_loc, scale, sliding_window, softcap)
     else:
         fn = _attn.paged_attention_ref
     return fn(
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        scale, max_query_len, max_seq_len,
+        scale, max_query_len, max_seq_len, sliding_window=sliding_window, softcap=softcap,
     )
 
 
@@ -193,6 +210,7 @@ __all__ = [
     "backend",
     "fp8_linear",
     "fused_add_rms_norm",
+    "fused_moe",
     "get_backend",
     "can_mask_logits",
     "int8_linear",

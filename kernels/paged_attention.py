@@ -9,109 +9,12 @@ positions 0..that position. GQA: query head h reads kv head h // (Hq // Hk).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kernels._triton import interpreting, next_power_of_2, tl, triton
 from kernels.attention_tile import TileLaunchArgs, attend_range, load_rows
+from kernels.paged_attention_ref import gather_kv_ref, paged_attention_ref
 
-
-def gather_kv_ref(cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """cache [N, block_size, Hk, D], block_tables [B, M] -> [B, num_tokens, Hk, D] (cache dtype)."""
-    batch, block_size = block_tables.shape[0], cache.shape[1]
-    num_blocks = min(-(-num_tokens // block_size), block_tables.shape[1])
-    blocks = block_tables[:, :num_blocks].reshape(-1).long().clamp_min(0)
-    if not cache.is_contiguous():  # index_select copies whole blocks only from a dense cache
-        return cache[blocks.view(batch, num_blocks)].flatten(1, 2)[:, :num_tokens]
-    gathered = cache.index_select(0, blocks)  # [B * nb, block_size, Hk, D]
-    return gathered.view(batch, num_blocks * block_size, *cache.shape[2:])[:, :num_tokens]
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """bfloat16 stays bfloat16 (torch's CPU flash attention accumulates in float32 inside, and
-    skipping the upcast halves the bytes moved); other dtypes compute in float32."""
-    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-
-
-def _decode_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                max_seq_len: int) -> torch.Tensor:
-    """One query token per sequence: query [B, Hq, D] -> [B, Hq, D], one batched call."""
-    batch, num_q_heads, head_size = query.shape
-    num_kv_heads = k_cache.shape[2]
-    dt = _compute_dtype(query.dtype)
-    k = gather_kv_ref(k_cache, block_tables, max_seq_len).to(dt).transpose(1, 2)  # [B, Hk, L, D]
-    v = gather_kv_ref(v_cache, block_tables, max_seq_len).to(dt).transpose(1, 2)
-    q = query.to(dt).view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_size)
-    valid = torch.arange(k.shape[2], device=query.device) < seq_lens[:, None]  # [B, L]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], scale=scale)
-    out = torch.where((seq_lens > 0)[:, None, None, None], out, 0.0)
-    return out.reshape(batch, num_q_heads, head_size)
-
-
-def _prefill_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
-    """One sequence's chunk: query [q_len, Hq, D] (its last q_len positions)."""
-    q_len, num_q_heads, head_size = query.shape
-    num_kv_heads = k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
-    dt = _compute_dtype(query.dtype)
-    k = gather_kv_ref(k_cache, block_table[None], seq_len).to(dt).transpose(1, 2)  # [1, Hk, L, D]
-    v = gather_kv_ref(v_cache, block_table[None], seq_len).to(dt).transpose(1, 2)
-    if q_len == seq_len:  # nothing cached before the chunk: plain causal attention, GQA-expanded
-        q = query.to(dt).transpose(0, 1)[None]  # [1, Hq, q_len, D]
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-        return out[0].transpose(0, 1)
-    # [q_len, Hk, G, D] -> [1, Hk, G * q_len, D]: each kv head serves its G query heads in one call
-    # (4-D inputs take torch's fused CPU attention; 3-D ones fall back to the slow math path).
-    q = query.to(dt).view(q_len, num_kv_heads, group, head_size).permute(1, 2, 0, 3)
-    q = q.reshape(1, num_kv_heads, group * q_len, head_size)
-    q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-    causal = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]  # [q_len, L]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal.repeat(group, 1), scale=scale)
-    out = out.view(num_kv_heads, group, q_len, head_size).permute(2, 0, 1, 3)
-    return out.reshape(q_len, num_q_heads, head_size)
-
-
-def paged_attention_ref(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    max_query_len: int,
-    max_seq_len: int,
-) -> torch.Tensor:
-    """query [T, Hq, D] -> [T, Hq, D] in query's dtype (float32 inside).
-
-    Decode sequences (q_len 1) share one padded gather and one masked attention call; prefill
-    chunks are computed one sequence at a time. Rows of tokens outside every sequence are zero.
-    """
-    num_seqs = block_tables.shape[0]
-    if max_query_len == 1 and query.shape[0] == num_seqs:  # decode-only: no host sync
-        out = _decode_ref(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
-        return out.to(query.dtype)
-    out = torch.zeros_like(query)
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    decode = [b for b in range(num_seqs) if starts[b + 1] - starts[b] == 1]
-    if decode:
-        idx = torch.tensor(decode, device=query.device)
-        rows = query_start_loc[idx].long()
-        dec_max = max(lens[b] for b in decode)
-        dec = _decode_ref(query[rows], k_cache, v_cache, block_tables[idx], seq_lens[idx], scale, dec_max)
-        out[rows] = dec.to(query.dtype)
-    for b in range(num_seqs):
-        q_len = starts[b + 1] - starts[b]
-        if q_len <= 1:
-            continue
-        chunk = query[starts[b] : starts[b + 1]]
-        res = _prefill_ref(chunk, k_cache, v_cache, block_tables[b], lens[b], scale)
-        out[starts[b] : starts[b + 1]] = res.to(query.dtype)
-    return out
+__all__ = ["gather_kv_ref", "paged_attention_ref", "paged_attention_triton"]
 
 
 LOG2E = 1.4426950408889634
@@ -146,18 +49,17 @@ def _paged_attention_kernel(
     seq_lens_ptr,  # [B] context length including the new query tokens
     query_start_loc_ptr,  # [B+1] cumulative query lengths
     qk_scale,  # softmax scale * log2(e)
-    num_seqs,
-    head_size,
+    window, softcap,  # sliding window in keys (1 << 30: none); soft cap * log2(e) if SOFTCAP
+    num_seqs, head_size,
     stride_ot, stride_oh, stride_qt, stride_qh,
     stride_cb, stride_co, stride_ch, stride_bt,
     GROUP: tl.constexpr,  # Hq // Hk query heads per kv head
     BLOCK_M: tl.constexpr,  # rows per program = BLOCK_Q tokens x GROUP heads (padded)
     BLOCK_Q: tl.constexpr,  # BLOCK_M // GROUP
-    TILE_N: tl.constexpr,
-    D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     FP32_DOT: tl.constexpr,
     DECODE: tl.constexpr,  # one query token per sequence: program i is sequence i, no search
+    SOFTCAP: tl.constexpr,
 ):
     q_block, kv_head = tl.program_id(0), tl.program_id(1)
     seq = q_block if DECODE else find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
@@ -176,11 +78,12 @@ def _paged_attention_kernel(
     q = load_rows(q_ptr, token * stride_qt + head * stride_qh, row_valid, head_size, D_PAD,
                   FP32_DOT)
     kv_end = tl.minimum(context + (local + 1) * BLOCK_Q, seq_len)
+    kv_start = tl.maximum(context + local * BLOCK_Q - window + 1, 0)  # the first row's window
     acc, m_i, l_i = attend_range(
         q, context + q_tok, row_valid, k_cache_ptr, v_cache_ptr,
         block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head.to(tl.int64) * stride_ch,
-        0, kv_end, qk_scale, stride_cb, stride_co, head_size,
-        BLOCK_M, TILE_N, D_PAD, BLOCK_SIZE, FP32_DOT,
+        kv_start, kv_end, qk_scale, window, softcap, stride_cb, stride_co, head_size,
+        BLOCK_M, TILE_N, D_PAD, BLOCK_SIZE, FP32_DOT, SOFTCAP,
     )
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     dims = tl.arange(0, D_PAD)
@@ -235,12 +138,15 @@ def paged_attention_triton(
     *,
     split_kv: bool | None = None,
     partition_size: int | None = None,
+    sliding_window: int | None = 0,
+    softcap: float | None = 0.0,
 ) -> torch.Tensor:
     """Triton paged attention: query [T, Hq, D] -> [T, Hq, D] in query's dtype.
 
     One launch covers the whole mixed batch. split_kv=None lets the launcher pick the split-KV
     (flash-decoding) path for decode-only batches with long contexts and few sequences; True/False
     force it (True needs max_query_len == 1). max_seq_len only sizes the split-KV grid.
+    ``sliding_window`` and ``softcap``: as in ``paged_attention_ref`` (0 or None: off).
     """
     from kernels.paged_attention_split import launch_split, split_pays
 
@@ -255,7 +161,7 @@ def paged_attention_triton(
     out = torch.zeros_like(query, memory_format=torch.contiguous_format)
     if tokens == 0 or num_seqs == 0:
         return out
-    common = _common_launch_args(query, k_cache, scale)
+    common = _common_launch_args(query, k_cache, scale, sliding_window or 0, softcap or 0.0)
     if split_kv:
         launch_split(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                      max_seq_len, partition_size, common)
@@ -279,19 +185,25 @@ def _launch_mixed(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
     grid = (num_seqs if decode else tokens // block_q + num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
         out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        common["qk_scale"], num_seqs, head_size,
+        common["qk_scale"], common["window"], common["softcap"], num_seqs, head_size,
         out.stride(0), out.stride(1), query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=common["TILE_N"],
         D_PAD=common["D_PAD"], BLOCK_SIZE=k_cache.shape[1], FP32_DOT=common["FP32_DOT"],
-        DECODE=decode, num_warps=4 if block_m <= 16 else 8 if head_size > 128 else 4,
+        DECODE=decode, SOFTCAP=common["SOFTCAP"], num_warps=4 if block_m <= 16 else 8 if head_size > 128 else 4,
     )
 
 
-def _common_launch_args(query: torch.Tensor, k_cache: torch.Tensor, scale: float) -> TileLaunchArgs:
+def _common_launch_args(query: torch.Tensor, k_cache: torch.Tensor, scale: float, window: int,
+                        softcap: float) -> TileLaunchArgs:
+    if window < 0 or softcap < 0:
+        raise ValueError(f"sliding_window and softcap must be >= 0, got {window}, {softcap}")
     # The interpreter computes bf16 arithmetic wrongly: there everything is upcast to fp32.
     return {
         "qk_scale": scale * LOG2E,
+        "window": window if window > 0 else 1 << 30,
+        "softcap": softcap * LOG2E if softcap > 0 else 1.0,
+        "SOFTCAP": softcap > 0,
         "TILE_N": 32,
         "D_PAD": next_power_of_2(query.shape[2]),
         "FP32_DOT": query.dtype == torch.float32 or interpreting(),

@@ -34,16 +34,15 @@ def _split_kernel(
     seq_lens_ptr,  # [B]
     query_start_loc_ptr,  # [B+1]
     qk_scale,  # softmax scale * log2(e)
-    num_q_heads,
-    head_size,
+    window, softcap,  # sliding window in keys (1 << 30: none); soft cap * log2(e) if SOFTCAP
+    num_q_heads, head_size,
     num_splits,  # programs per (sequence, kv head) along the context
     stride_qt, stride_qh, stride_cb, stride_co, stride_ch, stride_bt,
     GROUP: tl.constexpr,  # Hq // Hk
     BLOCK_M: tl.constexpr,  # next power of two >= max(GROUP, 16)
-    TILE_N: tl.constexpr,
-    D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -58,14 +57,15 @@ def _split_kernel(
     row_valid = rows < tl.where(q_len > 0, GROUP, 0)
     q = load_rows(q_ptr, token * stride_qt + head * stride_qh, row_valid, head_size, D_PAD,
                   FP32_DOT)
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), TILE_N) * TILE_N  # this sequence's share
-    kv_start = split * chunk
+    first = tl.maximum(seq_len - window, 0)  # the window's first key
+    chunk = tl.cdiv(tl.cdiv(seq_len - first, num_splits), TILE_N) * TILE_N  # this split's share
+    kv_start = first + split * chunk
     kv_end = tl.minimum(kv_start + chunk, seq_len)  # empty past the end: max -inf, sum 0
     acc, m_i, l_i = attend_range(
         q, tl.zeros([BLOCK_M], tl.int32) + seq_len - 1, row_valid, k_cache_ptr, v_cache_ptr,
         block_tables_ptr + seq * stride_bt, kv_head.to(tl.int64) * stride_ch,
-        kv_start, kv_end, qk_scale, stride_cb, stride_co, head_size,
-        BLOCK_M, TILE_N, D_PAD, BLOCK_SIZE, FP32_DOT,
+        kv_start, kv_end, qk_scale, window, softcap, stride_cb, stride_co, head_size,
+        BLOCK_M, TILE_N, D_PAD, BLOCK_SIZE, FP32_DOT, SOFTCAP,
     )
     part = (seq * num_q_heads + head) * num_splits + split  # [BLOCK_M]
     keep = rows < GROUP
@@ -141,12 +141,13 @@ def launch_split(
     part_ml = torch.empty((num_seqs, num_q_heads, num_splits, 2), dtype=torch.float32, device=query.device)
     _split_kernel[(num_seqs, num_kv_heads, num_splits)](
         part_acc, part_ml, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        common["qk_scale"], num_q_heads, head_size, num_splits,
+        common["qk_scale"], common["window"], common["softcap"], num_q_heads, head_size,
+        num_splits,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         GROUP=group, BLOCK_M=max(16, next_power_of_2(group)),
         TILE_N=tile, D_PAD=d_pad, BLOCK_SIZE=k_cache.shape[1],
-        FP32_DOT=common["FP32_DOT"], num_warps=4,
+        FP32_DOT=common["FP32_DOT"], SOFTCAP=common["SOFTCAP"], num_warps=4,
     )
     _reduce_kernel[(num_seqs, num_q_heads)](
         out, part_acc, part_ml, query_start_loc, num_q_heads, head_size, num_splits,

@@ -6,7 +6,8 @@ Workload: ``--num-prompts`` requests (128), prompt lengths uniform in 32..512 ra
 output lengths uniform in 16..256, ``ignore_eos``, greedy, fixed seed. Request ``i`` is the same
 whatever ``--num-prompts`` is, so a smaller run is a prefix of the full one. The checkpoint is a
 random-weight Qwen2 in bfloat16, built once into the cache folder: the Qwen2.5-0.5B shape
-(``--model-size 0.5b``) or a tiny one for quick runs (``--model-size tiny``).
+(``--model-size 0.5b``) or a tiny one for quick runs (``--model-size tiny``); or a small
+mixture-of-experts Qwen3-MoE (``--model-size moe``: 16 experts, top-4).
 
 Prints one JSON line per backend run, then one with the ratios of the engine's output tokens/s to
 the others'. Timing covers only the generate calls (model loading and a short warm-up excluded).
@@ -46,6 +47,11 @@ MODEL_SHAPES = {
                  num_attention_heads=14, num_key_value_heads=2, initializer_range=0.02),
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, initializer_range=0.05),
+    # Qwen3-30B-A3B's layout scaled down: 16 experts of 256, top-4 renormalised, q/k norms.
+    "moe": dict(arch="qwen3_moe", hidden_size=512, intermediate_size=1024,
+                moe_intermediate_size=256, num_experts=16, num_experts_per_tok=4,
+                norm_topk_prob=True, num_hidden_layers=8, num_attention_heads=8,
+                num_key_value_heads=2, head_dim=64, initializer_range=0.02),
 }
 # The tokenizer is the default model's (about 1,000 tokens): prompts are token ids, outputs are
 # not detokenized, and the engine, HF and vLLM (0.32) all accept ids up to the model's vocab.
@@ -100,7 +106,8 @@ def checkpoint_path(size: str) -> Path:
     the default model's tokenizer files)."""
     from engine.envs import cache_dir
 
-    name = "bench-qwen2-0.5b-shape" if size == "0.5b" else "bench-qwen2-tiny"
+    name = {"0.5b": "bench-qwen2-0.5b-shape", "tiny": "bench-qwen2-tiny",
+            "moe": "bench-qwen3-moe"}[size]
     path = cache_dir() / name
     if not (path / "config.json").is_file():
         _build_checkpoint(path, MODEL_SHAPES[size])
@@ -109,21 +116,25 @@ def checkpoint_path(size: str) -> Path:
 
 def _build_checkpoint(path: Path, shape: dict) -> None:
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from engine.models.default_model import default_model_path
 
     tok_dir = default_model_path()
     eos = json.loads((tok_dir / "config.json").read_text()).get("eos_token_id")
-    config = Qwen2Config(vocab_size=VOCAB, max_position_embeddings=32768, rope_theta=1e6,
-                         rms_norm_eps=1e-6, tie_word_embeddings=True, eos_token_id=eos,
-                         architectures=["Qwen2ForCausalLM"], **shape)
+    shape = dict(shape)
+    config_cls, model_cls = ((Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                             if shape.pop("arch", None) == "qwen3_moe"
+                             else (Qwen2Config, Qwen2ForCausalLM))
+    config = config_cls(vocab_size=VOCAB, max_position_embeddings=32768, rope_theta=1e6,
+                        rms_norm_eps=1e-6, tie_word_embeddings=True, eos_token_id=eos,
+                        architectures=[model_cls.__name__], **shape)
     print(f"building {path} ({shape})", file=sys.stderr)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     try:
         torch.manual_seed(0)
-        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+        model = model_cls(config).to(torch.bfloat16)
         _check_finite_logits(model)
         model.save_pretrained(tmp)
         for f in tok_dir.iterdir():

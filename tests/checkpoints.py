@@ -24,29 +24,71 @@ BASE = dict(vocab_size=768, hidden_size=64, intermediate_size=128, num_hidden_la
 
 def make_checkpoint(path: str | Path, arch: str = "llama", seed: int = 0,
                     shard_size: str | None = None, dtype=torch.float32, **overrides) -> Path:
-    """Write a random ``arch`` ("llama", "qwen2", "mistral") checkpoint with the default
+    """Write a random ``arch`` ("llama", "qwen2", "mistral", "qwen3", "phi3", "mixtral",
+    "qwen3_moe", "gemma2", "gemma3") checkpoint with the default
     model's tokenizer to ``path``; ``shard_size`` (e.g. "200KB") writes sharded safetensors."""
     from transformers import (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )
 
     from engine.models.default_model import default_model_path
 
     classes = {"llama": (LlamaConfig, LlamaForCausalLM),
                "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-               "mistral": (MistralConfig, MistralForCausalLM)}
+               "mistral": (MistralConfig, MistralForCausalLM),
+               "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+               "phi3": (Phi3Config, Phi3ForCausalLM)}
+    classes.update(mixtral=(MixtralConfig, MixtralForCausalLM),
+                   qwen3_moe=(Qwen3MoeConfig, Qwen3MoeForCausalLM))
+    classes.update(gemma2=(Gemma2Config, Gemma2ForCausalLM),
+                   gemma3=(Gemma3TextConfig, Gemma3ForCausalLM))
     config_cls, model_cls = classes[arch]
     kwargs = dict(BASE, **overrides)
+    if arch in ("gemma2", "gemma3"):  # windows the parity prompts cross; a q scale not head_dim's
+        kwargs = dict(BASE, **{"head_dim": 16, "sliding_window": 12,
+                               "query_pre_attn_scalar": 24, **overrides})
     if arch == "mistral":
         kwargs.setdefault("sliding_window", None)
+    if arch == "qwen3":
+        kwargs.setdefault("head_dim", 32)  # 4 heads x 32: q wider than hidden_size
+    if arch == "phi3":
+        kwargs.setdefault("pad_token_id", None)  # its default, 32000, is past the vocabulary
+    if arch == "mixtral":  # 4 experts of intermediate_size, top-2
+        kwargs.update(dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+                      **overrides)
+    if arch == "qwen3_moe":  # 4 experts of 32, top-2; q/k norms, head_dim 32 as qwen3
+        kwargs.update(dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                           head_dim=32), **overrides)
     config = config_cls(**kwargs)
     torch.manual_seed(seed)
     model = model_cls(config).to(dtype)
+    if arch in ("qwen3", "phi3"):  # norms start at ones: random ones show a misloaded norm
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.uniform_(0.5, 1.5)
+    if arch in ("gemma2", "gemma3"):  # Gemma's norms scale by 1 + weight, which starts at 0
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.uniform_(-0.5, 0.5)
     path = Path(path)
     save_kwargs = {"max_shard_size": shard_size} if shard_size else {}
     model.save_pretrained(path, **save_kwargs)

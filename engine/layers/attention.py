@@ -17,10 +17,15 @@ logger = logging.getLogger(__name__)
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float):
+    """``sliding_window`` (None or 0: global): a query sees only its last that many positions
+    (itself included); ``softcap`` (None or 0: off): scores capped to c * tanh(score / c)."""
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
+                 sliding_window: int | None = None, softcap: float | None = None):
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
+        self.sliding_window, self.softcap = sliding_window or 0, softcap or 0.0
         # An fp8 cache holds k / k_scale and v / v_scale (1.0 unless the checkpoint gives them):
         # the key scale joins the softmax scale, the value scale multiplies the output.
         self.k_scale, self.v_scale = 1.0, 1.0
@@ -40,7 +45,8 @@ class Attention(nn.Module):
         ops.store_kv_cache(k, v, k_cache, v_cache, ctx.slot_mapping, self.k_scale, self.v_scale)
         out = ops.paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens,
                                   ctx.query_start_loc, self.scale * self.k_scale,
-                                  ctx.max_query_len, ctx.max_seq_len)
+                                  ctx.max_query_len, ctx.max_seq_len, self.sliding_window,
+                                  self.softcap)
         if self.v_scale != 1.0:
             out = out * self.v_scale
         return out.view(-1, self.num_heads * self.head_dim)

@@ -15,7 +15,7 @@ from torch import nn
 
 from engine.distributed import all_reduce, divide, tp_rank, tp_size
 from engine.layers import weights
-from engine.loader import Loaded, ShardId, as_tensor, set_weight_loader, shard
+from engine.loader import Loaded, ShardId, TensorSlice, as_tensor, set_weight_loader, shard
 from kernels import quant_linear
 from kernels.fp8_linear import quantize_fp8
 from kernels.quant_linear import Int8Packed
@@ -28,6 +28,30 @@ def _copy_checked(param: torch.Tensor, part: Loaded, name: str) -> None:
         raise ValueError(f"{name}: expected shape {tuple(param.shape)}, checkpoint gives "
                          f"{tuple(part.shape)}")
     param.data.copy_(as_tensor(part))
+
+
+class FusedPart(TensorSlice):
+    """Rows ``[start, start + length)`` of a fused checkpoint tensor (Phi-3's ``qkv_proj``,
+    ``gate_up_proj``), still unread when the tensor is a ``TensorSlice``: narrowing it reads
+    only the rows asked for, so a rank reads its q, k, v (gate, up) shards and nothing else."""
+
+    def __init__(self, loaded: Loaded, start: int, length: int):
+        self._whole, self._start = loaded, start
+        self.shape = torch.Size((length, *loaded.shape[1:]))
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        if dim == 0:
+            return self._whole.narrow(0, self._start + start, length)
+        return self.read().narrow(dim, start, length)
+
+    def read(self) -> torch.Tensor:
+        return self._whole.narrow(0, self._start, self.shape[0])
+
+
+def _check_fused_rows(loaded: Loaded, rows: int, what: str) -> None:
+    if loaded.shape[0] != rows:
+        raise ValueError(f"fused {what}: expected {rows} rows, checkpoint gives "
+                         f"{tuple(loaded.shape)}")
 
 
 class LinearBase(nn.Module):
@@ -137,13 +161,20 @@ class ColumnParallelLinear(LinearBase):
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """``output_sizes`` packed along the output dimension; shard ``i`` loads part ``i``."""
+    """``output_sizes`` packed along the output dimension; shard ``i`` loads part ``i``, and
+    shard None a checkpoint tensor with every part fused in order (Phi-3's ``gate_up_proj``)."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: ShardId = None) -> None:
+        if shard_id is None:  # fused: each part's rows in turn
+            _check_fused_rows(loaded, sum(self.output_sizes), "gate_up_proj")
+            for i, size in enumerate(self.output_sizes):
+                start = sum(self.output_sizes[:i])
+                self.weight_loader(param, FusedPart(loaded, start, size), i)
+            return
         if not isinstance(shard_id, int):
             raise TypeError(f"packed part index expected, got {shard_id!r}")
         tp = tp_size()
@@ -155,6 +186,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v packed: shard "q", "k" or "v" loads that part, and shard None a checkpoint
+    tensor with all three fused in that order (Phi-3's ``qkv_proj``)."""
+
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False):
         tp = tp_size()
@@ -171,6 +205,14 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: ShardId = None) -> None:
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if shard_id is None:  # fused: the whole q, k and v rows in turn
+            tp = tp_size()
+            full_q, full_kv = q * tp, kv * (tp // self.num_kv_replicas)
+            _check_fused_rows(loaded, full_q + 2 * full_kv, "qkv_proj")
+            for sid, start, size in (("q", 0, full_q), ("k", full_q, full_kv),
+                                     ("v", full_q + full_kv, full_kv)):
+                self.weight_loader(param, FusedPart(loaded, start, size), sid)
+            return
         parts: dict[ShardId, tuple[int, int]] = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}
         offset, size = parts[shard_id]
         tp, replicas = tp_size(), (1 if shard_id == "q" else self.num_kv_replicas)

@@ -10,12 +10,15 @@ value (they would otherwise surface later as an error about something else), and
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from engine.layers.rotary import SUPPORTED_ROPE_TYPES
 from engine.models.quant_config import CheckpointQuant, parse_checkpoint_quant
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,6 +42,9 @@ class HFConfig:
     torch_dtype: str | None
     eos_token_ids: list[int]
     quantization: CheckpointQuant | None = None  # the checkpoint's own (quantization_config)
+    # The served length, set by the model runner before it builds the model (LongRoPE picks
+    # its factors by it); None: max_position.
+    max_model_len: int | None = None
     # The whole config.json, for the fields only one architecture reads (its model class's
     # ``check_config`` validates them).
     raw: dict[str, Any] = field(default_factory=dict)
@@ -60,7 +66,7 @@ class HFConfig:
     def from_dict(cls, raw: dict[str, Any], where: str = "config.json") -> HFConfig:
         from engine.models.registry import check_architecture, model_class
 
-        check_no_remote_code(raw, where)
+        check_no_remote_code(raw, where, _names_a_supported_architecture(raw))
         arch = check_architecture(raw.get("architectures"), where)
         _check_fields(raw, where)
         model_class(arch).check_config(raw, where)
@@ -131,15 +137,27 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_no_remote_code(raw: dict[str, Any], where: str) -> None:
-    """Refuse an ``auto_map``: it names Python code shipped with the checkpoint, and that code
-    is never run here (there is no ``trust_remote_code``)."""
+def check_no_remote_code(raw: dict[str, Any], where: str, supported: bool = False) -> None:
+    """An ``auto_map`` names Python code shipped with the checkpoint, and that code is never run
+    here (there is no ``trust_remote_code``). Where the file also names an architecture
+    pagedserve implements (``supported``; Phi-3's published checkpoints carry one), that
+    implementation is used and the ``auto_map`` is ignored, as vLLM does; else it is refused."""
     auto_map = raw.get("auto_map")
     if not auto_map:
         return
     entries = auto_map.items() if isinstance(auto_map, dict) else [("auto_map", auto_map)]
     shown = ", ".join(f"{k} -> {v}" for k, v in entries)
+    if supported:
+        logger.info("%s: ignoring auto_map (%s): pagedserve's own implementation of %s is used",
+                    where, shown, ", ".join(map(str, raw["architectures"])))
+        return
     raise ValueError(f"{where}: auto_map asks to run code shipped with the checkpoint ({shown}); "
-                     "pagedserve never runs checkpoint code (there is no trust_remote_code). If "
-                     "the model is a standard Llama, Mistral or Qwen2, delete auto_map from the "
-                     "file.")
+                     "pagedserve never runs checkpoint code (there is no trust_remote_code) and "
+                     "implements none of its architectures")
+
+
+def _names_a_supported_architecture(raw: dict[str, Any]) -> bool:
+    from engine.models.registry import supported_architectures
+
+    archs = raw.get("architectures")
+    return isinstance(archs, list) and any(a in supported_architectures() for a in archs)

@@ -1,8 +1,11 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2): RMSNorm, GQA attention with rotary
-embeddings, gated SiLU MLP. The architectures differ only in flags read from config.json
-(qkv bias for Qwen2, tied embeddings, rope scaling)."""
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2; Qwen3 and Phi-3 subclass it): RMSNorm,
+GQA attention with rotary embeddings, gated SiLU MLP. The architectures differ only in flags
+read from config.json (qkv bias for Qwen2, tied embeddings, rope scaling, partial rotary) and
+``qk_norm`` (Qwen3's per-head RMSNorm of q and k before the rotary embedding)."""
 
 from __future__ import annotations
+
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -18,13 +21,17 @@ from engine.layers.linear import (
     quantize_linears,
 )
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
+from engine.layers.rotary import RotaryEmbedding, check_rope_config
 from engine.models.hf_config import HFConfig
+from engine.models.layer_types import set_sliding_windows, sliding_windows
 from engine.models.registry import CausalLM
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: HFConfig):
+    """``qk_norm``: each head of q and k RMS-normalised (weights ``q_norm``, ``k_norm`` of
+    size head_dim) after the projection, before the rotary embedding (Qwen3)."""
+
+    def __init__(self, cfg: HFConfig, qk_norm: bool = False):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
                                           cfg.num_kv_heads, bias=cfg.qkv_bias)
@@ -32,14 +39,19 @@ class LlamaAttention(nn.Module):
                                         bias=cfg.o_bias)
         self.q_size = self.qkv_proj.num_heads * cfg.head_dim
         self.kv_size = self.qkv_proj.num_kv_heads * cfg.head_dim
-        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta,
-                                          cfg.rope)
+        self.head_dim = cfg.head_dim
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.rotary_emb = RotaryEmbedding.from_config(cfg)
         self.attn = Attention(self.qkv_proj.num_heads, cfg.head_dim,
                               self.qkv_proj.num_kv_heads, cfg.head_dim**-0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # Views into the qkv product, rows strided: the kernels take row strides.
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         self.rotary_emb(positions, q, k)
         out: torch.Tensor = self.o_proj(self.attn(q, k, v))
         return out
@@ -59,10 +71,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: HFConfig):
+    def __init__(self, cfg: HFConfig, qk_norm: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = LlamaAttention(cfg, qk_norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
@@ -79,11 +91,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: HFConfig):
+    def __init__(self, cfg: HFConfig, qk_norm: bool = False):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, qk_norm)
+                                    for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        set_sliding_windows(self.layers, sliding_windows(cfg))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x: torch.Tensor = self.embed_tokens(input_ids)
@@ -103,13 +117,20 @@ class LlamaForCausalLM(CausalLM):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    qk_norm: ClassVar[bool] = False  # per-head RMSNorm of q and k (``LlamaAttention``)
 
     def __init__(self, cfg: HFConfig):
         super().__init__(cfg)
-        self.model = LlamaModel(cfg)
+        self.model = LlamaModel(cfg, self.qk_norm)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def check_config(cls, raw: dict[str, Any], where: str) -> None:
+        super().check_config(raw, where)
+        heads = raw["num_attention_heads"]
+        check_rope_config(raw, raw.get("head_dim") or raw["hidden_size"] // heads, where)
 
     def quantize_weights(self, method: str) -> None:
         """After loading: the linear layers to ``method``; with int8 the embedding and the LM

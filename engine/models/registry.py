@@ -16,6 +16,12 @@ _MODELS = {
     "LlamaForCausalLM": "engine.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "engine.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "engine.models.llama:LlamaForCausalLM",
+    "Gemma2ForCausalLM": "engine.models.gemma:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "engine.models.gemma:Gemma3ForCausalLM",
+    "Qwen3ForCausalLM": "engine.models.qwen3:Qwen3ForCausalLM",
+    "Phi3ForCausalLM": "engine.models.phi3:Phi3ForCausalLM",
+    "MixtralForCausalLM": "engine.models.mixtral:MixtralForCausalLM",
+    "Qwen3MoeForCausalLM": "engine.models.mixtral:Qwen3MoeForCausalLM",
 }
 
 

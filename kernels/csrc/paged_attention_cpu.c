@@ -4,8 +4,10 @@
  * query_start_loc[b] .. query_start_loc[b+1], its last q_len positions of a context of
  * seq_lens[b] tokens whose keys and values (the new ones included) are already in the paged
  * caches [num_blocks, block_size, Hk, D]. Query row i of it sits at position
- * seq_len - q_len + i and attends causally to positions 0..that position. GQA: query head h
- * reads kv head h / (Hq / Hk). Rows outside every sequence are written as zeros.
+ * seq_len - q_len + i and attends causally to positions 0..that position; with a sliding
+ * window W > 0 only to the positions after position - W (the window's blocks are the only ones
+ * read). A soft cap c > 0 maps each scaled score s to c * tanh(s / c) (Gemma 2). GQA: query head
+ * h reads kv head h / (Hq / Hk). Rows outside every sequence are written as zeros.
  *
  * A work item is a tile of up to ROWS query rows of one sequence and a range of its kv heads.
  * It walks the sequence's blocks straight from the block table (no gather, no padding to the
@@ -60,6 +62,21 @@ typedef struct {
     int32_t seq, row0, nrows, kvh0, kvh1;
 } Item;
 
+/* The first key position a query at `pos` sees (0 without a window). */
+static inline int64_t window_start(int64_t pos, int window) {
+    return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+}
+
+#ifdef VF
+/* cap * tanh(x / cap) in each lane (tanhf: the scores of soft-capped models only). */
+static inline vf v_softcap(vf x, float cap) {
+    float t[VW];
+    v_store(t, x);
+    for (int i = 0; i < VW; i++) t[i] = cap * tanhf(t[i] / cap);
+    return v_load(t);
+}
+#endif
+
 typedef struct { /* one thread's buffers, sized for ROWS rows x Hq heads */
     float *q, *acc, *m, *l, *s, *kbuf; /* kbuf: CHUNK x D, a chunk's keys or values */
 } Scratch;
@@ -75,7 +92,7 @@ static void attend_item(const Item *it, Scratch *w, void *out, const void *query
                         const char *k_cache, const char *v_cache, const int32_t *table,
                         int64_t pos0, int num_q_heads, int num_kv_heads, int head_size,
                         int block_size, int max_blocks, int64_t q_stride_t, int64_t out_stride_t,
-                        float scale, int dtype, int kv_dtype) {
+                        float scale, int window, float softcap, int dtype, int kv_dtype) {
     const int group = num_q_heads / num_kv_heads;
     const size_t esize = dt_size(dtype), kes = dt_size(kv_dtype);
     const int64_t token_stride = (int64_t)num_kv_heads * head_size;
@@ -95,7 +112,7 @@ static void attend_item(const Item *it, Scratch *w, void *out, const void *query
     }
     const int64_t kv_len = pos0 + R; /* the last row sees keys 0..pos0+R-1 */
     const int64_t nblocks = (kv_len + block_size - 1) / block_size;
-    for (int64_t j = 0; j < nblocks && j < max_blocks; j++) {
+    for (int64_t j = window_start(pos0, window) / block_size; j < nblocks && j < max_blocks; j++) {
         const int64_t blk = table[j];
         if (blk < 0) continue; /* an unfilled table entry: nothing cached there */
         if (j + 1 < nblocks && j + 1 < max_blocks && table[j + 1] >= 0) {
@@ -110,10 +127,12 @@ static void attend_item(const Item *it, Scratch *w, void *out, const void *query
             if (key0 + n > kv_len) n = (int)(kv_len - key0);
             const char *kb = k_cache + ((size_t)blk * block_stride + (size_t)c0 * token_stride) * kes;
             const char *vb = v_cache + ((size_t)blk * block_stride + (size_t)c0 * token_stride) * kes;
-            int nv[ROWS]; /* keys of this chunk each row sees (causal) */
+            int nv[ROWS], lo[ROWS]; /* keys lo[r]..nv[r]-1 of this chunk row r sees */
             for (int r = 0; r < R; r++) {
-                const int64_t v = pos0 + r + 1 - key0;
+                const int64_t v = pos0 + r + 1 - key0, first = window_start(pos0 + r, window) - key0;
                 nv[r] = v <= 0 ? 0 : (v < n ? (int)v : n);
+                lo[r] = first <= 0 ? 0 : (first < n ? (int)first : n);
+                if (lo[r] >= nv[r]) nv[r] = 0; /* the whole chunk is outside the row's window */
             }
             for (int kvh = it->kvh0; kvh < it->kvh1; kvh++) {
                 const int h0 = kvh * group;
@@ -125,7 +144,10 @@ static void attend_item(const Item *it, Scratch *w, void *out, const void *query
                         const size_t i = (size_t)r * num_q_heads + h;
                         const float *q = w->q + i * D;
                         float *s = w->s + i * CHUNK;
-                        for (int t = 0; t < nv[r]; t++) s[t] = dot_f32(q, w->kbuf + (size_t)t * D, D);
+                        for (int t = 0; t < nv[r]; t++) {
+                            s[t] = t < lo[r] ? -INFINITY : dot_f32(q, w->kbuf + (size_t)t * D, D);
+                            if (softcap > 0.0f && t >= lo[r]) s[t] = softcap * tanhf(s[t] / softcap);
+                        }
                     }
                 }
                 /* online softmax update */
@@ -152,7 +174,7 @@ static void attend_item(const Item *it, Scratch *w, void *out, const void *query
                         const size_t i = (size_t)r * num_q_heads + h;
                         const float *p = w->s + i * CHUNK;
                         float *a = w->acc + i * D;
-                        for (int t = 0; t < nv[r]; t++)
+                        for (int t = lo[r]; t < nv[r]; t++)
                             for (int d = 0; d < D; d++) a[d] += p[t] * w->kbuf[(size_t)t * D + d];
                     }
                 }
@@ -233,7 +255,7 @@ static inline __attribute__((always_inline)) void attend_row_dc(
     const Item *it, Scratch *w, void *out, const void *query, const char *k_cache,
     const char *v_cache, const int32_t *table, int64_t pos, int num_q_heads, int num_kv_heads,
     int block_size, int max_blocks, int64_t q_stride_t, int64_t out_stride_t, float scale,
-    int dtype, int kv_dtype, const int DC) {
+    int window, float softcap, int dtype, int kv_dtype, const int DC) {
     const int D = 16 * DC, group = num_q_heads / num_kv_heads;
     const int HG = 16 / DC; /* heads whose accumulators fit in registers at once */
     const size_t es = dt_size(dtype), kes = dt_size(kv_dtype);
@@ -251,7 +273,8 @@ static inline __attribute__((always_inline)) void attend_row_dc(
         w->l[h] = 0.0f;
     }
     const int64_t nblocks = (kv_len + block_size - 1) / block_size;
-    for (int64_t j = 0; j < nblocks && j < max_blocks; j++) {
+    const int64_t first = window_start(pos, window);
+    for (int64_t j = first / block_size; j < nblocks && j < max_blocks; j++) {
         const int64_t blk = table[j];
         if (blk < 0) continue;
         if (j + 1 < nblocks && j + 1 < max_blocks && table[j + 1] >= 0) {
@@ -264,7 +287,9 @@ static inline __attribute__((always_inline)) void attend_row_dc(
             if (key0 >= kv_len) break;
             int n = block_size - c0 < 16 ? block_size - c0 : 16;
             if (key0 + n > kv_len) n = (int)(kv_len - key0);
-            const __mmask16 live = (__mmask16)(n == 16 ? 0xffff : (1u << n) - 1);
+            if (key0 + n <= first) continue; /* before the window */
+            const int skip = first > key0 ? (int)(first - key0) : 0; /* keys before the window */
+            const __mmask16 live = (__mmask16)((n == 16 ? 0xffffu : (1u << n) - 1) & ~((1u << skip) - 1));
             for (int kvh = it->kvh0; kvh < it->kvh1; kvh++) {
                 const size_t base = ((size_t)blk * block_stride + (size_t)c0 * token_stride + (size_t)kvh * D) * kes;
                 const char *kb = k_cache + base, *vb = v_cache + base;
@@ -310,6 +335,7 @@ static inline __attribute__((always_inline)) void attend_row_dc(
                     }
                     __m512 sv = reduce16(dv);
                     if (direct) sv = _mm512_mul_ps(sv, _mm512_set1_ps(scale));
+                    if (softcap > 0.0f) sv = v_softcap(sv, softcap);
                     sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, sv);
                     /* The running max moves only when a score passes it by more than 8
                      * (so exp stays below e^8 = 2981 in float32): most groups then need no
@@ -406,18 +432,20 @@ static void attend_row_d64(const Item *it, Scratch *w, void *out, const void *qu
                            const char *k_cache, const char *v_cache, const int32_t *table,
                            int64_t pos, int num_q_heads, int num_kv_heads, int block_size,
                            int max_blocks, int64_t q_stride_t, int64_t out_stride_t, float scale,
-                           int dtype, int kv_dtype) {
+                           int window, float softcap, int dtype, int kv_dtype) {
     attend_row_dc(it, w, out, query, k_cache, v_cache, table, pos, num_q_heads, num_kv_heads,
-                  block_size, max_blocks, q_stride_t, out_stride_t, scale, dtype, kv_dtype, 4);
+                  block_size, max_blocks, q_stride_t, out_stride_t, scale, window, softcap, dtype,
+                  kv_dtype, 4);
 }
 
 static void attend_row_d128(const Item *it, Scratch *w, void *out, const void *query,
                             const char *k_cache, const char *v_cache, const int32_t *table,
                             int64_t pos, int num_q_heads, int num_kv_heads, int block_size,
                             int max_blocks, int64_t q_stride_t, int64_t out_stride_t, float scale,
-                            int dtype, int kv_dtype) {
+                            int window, float softcap, int dtype, int kv_dtype) {
     attend_row_dc(it, w, out, query, k_cache, v_cache, table, pos, num_q_heads, num_kv_heads,
-                  block_size, max_blocks, q_stride_t, out_stride_t, scale, dtype, kv_dtype, 8);
+                  block_size, max_blocks, q_stride_t, out_stride_t, scale, window, softcap, dtype,
+                  kv_dtype, 8);
 }
 #endif
 
@@ -432,7 +460,8 @@ static void attend_tile_qvec(const Item *it, Scratch *w, void *out, const void *
                              const char *k_cache, const char *v_cache, const int32_t *table,
                              int64_t pos0, int num_q_heads, int num_kv_heads, int D,
                              int block_size, int max_blocks, int64_t q_stride_t,
-                             int64_t out_stride_t, float scale, int dtype, int kv_dtype) {
+                             int64_t out_stride_t, float scale, int window, float softcap,
+                             int dtype, int kv_dtype) {
     const int group = num_q_heads / num_kv_heads, R = it->nrows;
     const size_t esize = dt_size(dtype), kes = dt_size(kv_dtype);
     const int64_t token_stride = (int64_t)num_kv_heads * D;
@@ -441,7 +470,8 @@ static void attend_tile_qvec(const Item *it, Scratch *w, void *out, const void *
     float *qt = w->q, *acc = w->acc, *S = w->s; /* qt, acc: [D][nqp]; S: [CHUNK][nqp] */
     float *m = w->m, *l = w->l;                 /* [nqp] */
     float pos[QVEC_MAX_LANES];                  /* lane j's query position (as a float) */
-    const int64_t kv_len = pos0 + R;
+    float pos_lo[QVEC_MAX_LANES];               /* lane j's first visible key (window) */
+    const int64_t kv_len = pos0 + R, first = window_start(pos0, window);
     for (int kvh = it->kvh0; kvh < it->kvh1; kvh++) {
         memset(qt, 0, sizeof(float) * (size_t)D * nqp);
         for (int j = 0; j < nq; j++) {
@@ -451,12 +481,13 @@ static void attend_tile_qvec(const Item *it, Scratch *w, void *out, const void *
         }
         for (int j = 0; j < nqp; j++) {
             pos[j] = j < nq ? (float)(pos0 + j / group) : -1.0f; /* padding lanes see no key */
+            pos_lo[j] = window > 0 ? pos[j] - (float)window + 1.0f : -INFINITY;
             m[j] = -INFINITY;
             l[j] = 0.0f;
         }
         memset(acc, 0, sizeof(float) * (size_t)D * nqp);
         const int64_t nblocks = (kv_len + block_size - 1) / block_size;
-        for (int64_t jb = 0; jb < nblocks && jb < max_blocks; jb++) {
+        for (int64_t jb = first / block_size; jb < nblocks && jb < max_blocks; jb++) {
             const int64_t blk = table[jb];
             if (blk < 0) continue;
             for (int c0 = 0; c0 < block_size; c0 += CHUNK) {
@@ -464,13 +495,14 @@ static void attend_tile_qvec(const Item *it, Scratch *w, void *out, const void *
                 if (key0 >= kv_len) break;
                 int n = block_size - c0 < CHUNK ? block_size - c0 : CHUNK;
                 if (key0 + n > kv_len) n = (int)(kv_len - key0);
+                if (key0 + n <= first) continue; /* before every lane's window */
                 const char *kb = k_cache + ((size_t)blk * block_stride + (size_t)c0 * token_stride + (size_t)kvh * D) * kes;
                 const char *vb = v_cache + ((size_t)blk * block_stride + (size_t)c0 * token_stride + (size_t)kvh * D) * kes;
                 float *kbuf = w->kbuf; /* [n][D] */
                 load_tokens(kbuf, kb, n, token_stride * kes, D, kv_dtype);
                 for (int g = 0; g < ngroups; g++) {
                     const float *qg = qt + VW * g;
-                    const vf pg = v_load(pos + VW * g);
+                    const vf pg = v_load(pos + VW * g), pg_lo = v_load(pos_lo + VW * g);
                     vf mx = v_load(m + VW * g);
                     int t = 0;
                     for (; t + 8 <= n; t += 8) { /* eight keys: eight independent chains */
@@ -483,8 +515,10 @@ static void attend_tile_qvec(const Item *it, Scratch *w, void *out, const void *
                                 sv[i] = v_fmadd(q, v_set1(k0[(size_t)i * D + d]), sv[i]);
                         }
                         for (int i = 0; i < 8; i++) {
-                            const vm live = v_le(v_set1((float)(key0 + t + i)), pg);
-                            sv[i] = v_select(live, sv[i], v_set1(-INFINITY));
+                            const vf key = v_set1((float)(key0 + t + i));
+                            if (softcap > 0.0f) sv[i] = v_softcap(sv[i], softcap);
+                            sv[i] = v_select(v_le(key, pg), sv[i], v_set1(-INFINITY));
+                            sv[i] = v_select(v_le(pg_lo, key), sv[i], v_set1(-INFINITY));
                             mx = v_max(mx, sv[i]);
                             v_store(S + (size_t)(t + i) * nqp + VW * g, sv[i]);
                         }
@@ -493,8 +527,10 @@ static void attend_tile_qvec(const Item *it, Scratch *w, void *out, const void *
                         vf s0 = v_zero();
                         for (int d = 0; d < D; d++)
                             s0 = v_fmadd(v_load(qg + (size_t)d * nqp), v_set1(kbuf[(size_t)t * D + d]), s0);
-                        const vm live = v_le(v_set1((float)(key0 + t)), pg);
-                        s0 = v_select(live, s0, v_set1(-INFINITY));
+                        const vf key = v_set1((float)(key0 + t));
+                        if (softcap > 0.0f) s0 = v_softcap(s0, softcap);
+                        s0 = v_select(v_le(key, pg), s0, v_set1(-INFINITY));
+                        s0 = v_select(v_le(pg_lo, key), s0, v_set1(-INFINITY));
                         mx = v_max(mx, s0);
                         v_store(S + (size_t)t * nqp + VW * g, s0);
                     }
@@ -559,8 +595,10 @@ int paged_attention_cpu(
     const int32_t *query_start_loc, /* [B + 1] */
     int64_t num_tokens, int num_seqs, int num_q_heads, int num_kv_heads, int head_size,
     int block_size, int max_blocks, int64_t q_stride_t, int64_t out_stride_t,
-    float scale, int dtype, int kv_dtype, int num_threads) {
+    float scale, int window, float softcap, /* window 0 and softcap 0: off */
+    int dtype, int kv_dtype, int num_threads) {
     if (head_size > 256 || num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0) return -1;
+    if (window < 0 || softcap < 0.0f) return -1;
     const size_t esize = dt_size(dtype);
     const int64_t total_rows = num_seqs > 0 ? query_start_loc[num_seqs] : 0;
     for (int64_t row = total_rows; row < num_tokens; row++) /* padding rows */
@@ -611,7 +649,8 @@ int paged_attention_cpu(
                 (head_size == 64 ? attend_row_d64 : attend_row_d128)(
                     it, &w, out, query, (const char *)k_cache, (const char *)v_cache,
                     block_tables + (int64_t)b * max_blocks, pos0, num_q_heads, num_kv_heads,
-                    block_size, max_blocks, q_stride_t, out_stride_t, scale, dtype, kv_dtype);
+                    block_size, max_blocks, q_stride_t, out_stride_t, scale, window, softcap,
+                    dtype, kv_dtype);
                 continue;
             }
 #endif
@@ -620,14 +659,14 @@ int paged_attention_cpu(
                 attend_tile_qvec(it, &w, out, query, (const char *)k_cache, (const char *)v_cache,
                                  block_tables + (int64_t)b * max_blocks, pos0, num_q_heads,
                                  num_kv_heads, head_size, block_size, max_blocks, q_stride_t,
-                                 out_stride_t, scale, dtype, kv_dtype);
+                                 out_stride_t, scale, window, softcap, dtype, kv_dtype);
                 continue;
             }
 #endif
             attend_item(it, &w, out, query, (const char *)k_cache, (const char *)v_cache,
                         block_tables + (int64_t)b * max_blocks, pos0, num_q_heads, num_kv_heads,
-                        head_size, block_size, max_blocks, q_stride_t, out_stride_t, scale, dtype,
-                        kv_dtype);
+                        head_size, block_size, max_blocks, q_stride_t, out_stride_t, scale, window,
+                        softcap, dtype, kv_dtype);
         }
         free(w.q); free(w.acc); free(w.m); free(w.l); free(w.s); free(w.kbuf);
     }

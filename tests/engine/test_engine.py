@@ -237,8 +237,9 @@ def test_config_errors_at_start_up(tmp_path, ckpt):
     cfg = json.loads((bad / "config.json").read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (bad / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="GPT2LMHeadModel is not supported; supported: "
-                       "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+    with pytest.raises(ValueError, match="GPT2LMHeadModel is not supported; supported: .*"
+                       "LlamaForCausalLM, MistralForCausalLM, .*Phi3ForCausalLM, "
+                       "Qwen2ForCausalLM, Qwen3ForCausalLM"):
         LLM(str(bad))
     cfg["architectures"] = ["LlamaForCausalLM"]
     cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0}

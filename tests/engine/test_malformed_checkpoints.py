@@ -100,7 +100,7 @@ CASES = {
     "architecture_unsupported": (lambda d: edit_json(d / "config.json",
                                                      architectures=["GPT2LMHeadModel"]),
                                  r"architecture GPT2LMHeadModel is not supported; supported: "
-                                 r"LlamaForCausalLM"),
+                                 r"Gemma2ForCausalLM, Gemma3ForCausalLM, LlamaForCausalLM"),
     "architecture_missing": (lambda d: edit_json(d / "config.json", architectures=None),
                              r"'architectures' is missing"),
     "tokenizer_not_json": (lambda d: (d / "tokenizer.json").write_text('{"model": '),

@@ -24,6 +24,24 @@ ARCHS = {
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
     "qwen2": dict(arch="qwen2"),
     "mistral": dict(arch="mistral"),
+    "mistral-sliding-window": dict(arch="mistral", sliding_window=16),
+    # sliding layer 0, global layer 1; attention scores and logits soft-capped. Untied: tied
+    # random Gemma embeddings repeat one token.
+    "gemma2": dict(arch="gemma2", attn_logit_softcapping=4.0, final_logit_softcapping=8.0,
+                   tie_word_embeddings=False),
+    # q/k norms; local layers' rope base 10^4, global ones 10^6 with linear scaling
+    "gemma3": dict(arch="gemma3", num_hidden_layers=3, tie_word_embeddings=False, layer_types=[
+        "sliding_attention", "full_attention", "sliding_attention"], rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+    "qwen3": dict(arch="qwen3"),  # q/k norms, head_dim 32 (q wider than hidden_size)
+    "phi3": dict(arch="phi3"),  # fused qkv_proj and gate_up_proj
+    "phi4-mini-partial-rotary": dict(arch="phi3", partial_rotary_factor=0.75,
+                                     tie_word_embeddings=True),
+    "mixtral": dict(arch="mixtral"),  # 4 experts, top-2, renormalised
+    "qwen3_moe": dict(arch="qwen3_moe"),  # q/k norms; top-2 weights not renormalised
+    "qwen3_moe-norm-topk-dense-layer": dict(arch="qwen3_moe", norm_topk_prob=True,
+                                            mlp_only_layers=[0]),
 }
 
 

@@ -42,7 +42,19 @@ COMMON = dict(dtype="float32", kv_cache_memory_bytes=8 << 20, block_size=8)
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=sorted(ARCHS))
+# One checkpoint of each quantized model class and attention variant. Left out: the
+# mixture-of-experts models (they refuse quantization: tests/engine/test_moe.py); gemma2,
+# whose final soft-cap (tanh at 8) squeezes the logits so that too few positions are clear of
+# near-ties for the greedy check to say anything (9-17 of the 16-32 required; gemma3 covers
+# the Gemma class); phi3 and phi4-mini, whose random checkpoints have the same problem under
+# FP8 weights (1-3 clear positions of the 4 required) and whose fp8 KV cache gives the same
+# mean KL as the others (0.016-0.017 nats) with one 1.1-nat flip (phi4-mini); their linear
+# layers are the Llama ones once loaded (tests/engine/test_phi3_qwen3_loading.py).
+QUANTIZABLE = ["llama", "llama3-rope-tied", "mistral", "mistral-sliding-window", "qwen2", "qwen3",
+               "gemma3"]
+
+
+@pytest.fixture(scope="module", params=QUANTIZABLE)
 def float_run(request, tmp_path_factory):
     path = make_checkpoint(tmp_path_factory.mktemp(request.param), **ARCHS[request.param])
     llm = LLM(str(path), **COMMON)
@@ -152,9 +164,11 @@ def test_fp8_kv_cache_holds_twice_bfloat16s_blocks(float_run):
     path = float_run[0]
     blocks = {kv: LLM(str(path), kv_cache_dtype=kv, **{**COMMON, "dtype": "bfloat16"})
               .engine.runner.num_blocks for kv in ("auto", "fp8")}
-    assert blocks["fp8"] == 2 * blocks["auto"]
+    # the same budget over blocks half the size: twice as many, or one more where the budget
+    # leaves half a bfloat16 block over
+    assert blocks["fp8"] - 2 * blocks["auto"] in (0, 1)
     f32 = LLM(str(path), **COMMON).engine.runner.num_blocks
-    assert blocks["fp8"] == 4 * f32
+    assert blocks["fp8"] - 4 * f32 in (0, 1, 2, 3)
 
 
 def test_fp8_kv_cache_setting_is_checked():

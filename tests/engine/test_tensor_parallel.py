@@ -31,6 +31,8 @@ CHECKPOINTS = {
     "llama": dict(arch="llama"),
     "qwen2": dict(arch="qwen2"),  # q/k/v biases
     "llama-kv1": dict(arch="llama", num_key_value_heads=1),  # KV head replicated on 2 ranks
+    # fused qkv_proj and gate_up_proj, each rank reading its rows of each part
+    "phi3-kv1": dict(arch="phi3", num_key_value_heads=1, partial_rotary_factor=0.75),
 }
 PROMPTS = [[0, 17, 230, 455, 12], [0, *range(100, 160)], [3], [0, 5, 600, 601, 33, 42, 99, 7]]
 ENGINE = dict(dtype="float32", kv_cache_memory_bytes=8 << 20, block_size=8,
@@ -138,6 +140,16 @@ def expected_shards(full: dict[str, torch.Tensor], cfg: dict, rank: int, tp: int
     def rows(t, index, parts):
         return t.chunk(parts, dim=0)[index]
 
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    sizes = [cfg["num_attention_heads"] * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    for name in [n for n in full if ".qkv_proj." in n or ".gate_up_proj." in n]:  # Phi-3
+        fused = full.pop(name)
+        if ".qkv_proj." in name:
+            parts = dict(zip(("q_proj", "k_proj", "v_proj"), fused.split(sizes)))
+        else:
+            parts = dict(zip(("gate_proj", "up_proj"), fused.chunk(2)))
+        packed = "qkv_proj" if ".qkv_proj." in name else "gate_up_proj"
+        full.update({name.replace(packed, part): t for part, t in parts.items()})
     out = {}
     for name, t in full.items():
         base = name.rsplit(".", 1)[0]

@@ -15,8 +15,10 @@ Llama-3-8B (32 query heads, 8 kv heads, head size 128) and Qwen2.5-0.5B (14, 2, 
 Llama-3-8B's decode at contexts of 1k, 8k and 128k tokens (which must launch the same variants:
 lengths and the split count are runtime values); fp8 KV caches read by each dtype at both models' shapes; the KV store (and its fp8 variant), RMSNorm (with and without the
 residual), rotary, SiLU-and-multiply and the weight-only int8 matmul (decode and prefill rows,
-with and without bias; FP8 weights too) at those models' sizes. Run in a process without ``TRITON_INTERPRET``
-(the interpreter has no compiler).
+with and without bias; FP8 weights too) at those models' sizes; the fused MoE's grouped GEMM
+(decode and prefill rows) at Mixtral-8x7B's and Qwen3-30B-A3B's sizes; Gemma 2's sliding
+window with soft-capped scores (9B: 16, 8, 256; 2B: 8, 4, 256). Run in a process
+without ``TRITON_INTERPRET`` (the interpreter has no compiler).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MODELS = {"llama-3-8b": (32, 8, 128), "qwen2.5-0.5b": (14, 2, 64)}
+GEMMA_MODELS = {"gemma-2-9b": (16, 8, 256), "gemma-2-2b": (8, 4, 256)}
 HEAD_SIZES = (64, 80, 96, 128, 256)
 TARGETS = {"sm_90": 90, "sm_80": 80}
 BLOCK_SIZE = 16  # the engine's default KV block
@@ -95,7 +98,8 @@ def _type_of(value: Any) -> str:
 
 # ----------------------------------------------------------------------------- scenarios
 def _attention(dtype: torch.dtype, hq: int, hk: int, d: int, mode: str,
-               seq_len: int | None = None, kv_dtype: torch.dtype | None = None) -> None:
+               seq_len: int | None = None, kv_dtype: torch.dtype | None = None,
+               softcap: float = 0.0) -> None:
     from kernels.paged_attention import paged_attention_triton
 
     seqs = 2
@@ -109,7 +113,8 @@ def _attention(dtype: torch.dtype, hq: int, hk: int, d: int, mode: str,
         torch.zeros(tokens, hq, d, dtype=dtype), cache, cache.clone(),
         torch.arange(seqs * blocks, dtype=torch.int32).view(seqs, blocks),
         torch.full((seqs,), seq_len, dtype=torch.int32), starts, d ** -0.5,
-        max(query_lens), seq_len, split_kv=mode == "split")
+        max(query_lens), seq_len, split_kv=mode == "split", sliding_window=4096 if softcap else 0,
+        softcap=softcap)
 
 
 def _small_ops(dtype: torch.dtype, hq: int, hk: int, d: int, hidden: int, inter: int,
@@ -141,6 +146,22 @@ def _small_ops(dtype: torch.dtype, hq: int, hk: int, d: int, hidden: int, inter:
         int8_linear_triton(torch.zeros(rows, hidden, dtype=dtype), q.to(FP8), scale, None)
 
 
+MOE_MODELS = {"mixtral-8x7b": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8)}
+
+
+def _fused_moe(dtype: torch.dtype, hidden: int, inter: int, experts: int, top_k: int) -> None:
+    """The fused MoE's two grouped GEMMs for a decode step's rows and a prefill chunk's; the
+    expert weights are one expert's broadcast (the variants depend on dtypes, not sizes)."""
+    from kernels.fused_moe import fused_moe_triton
+
+    w13 = torch.zeros(1, 2 * inter, hidden, dtype=dtype).expand(experts, -1, -1)
+    w2 = torch.zeros(1, hidden, inter, dtype=dtype).expand(experts, -1, -1)
+    for t in (4, 100):
+        ids = torch.arange(t * top_k).remainder(experts).view(t, top_k)
+        fused_moe_triton(torch.zeros(t, hidden, dtype=dtype), w13, w2,
+                         torch.full((t, top_k), 1 / top_k), ids)
+
+
 def scenarios() -> Iterator[tuple[str, Callable[[], None]]]:
     shapes = {**{f"{m} {hq}/{hk}x{d}": (hq, hk, d) for m, (hq, hk, d) in MODELS.items()},
               **{f"group 4 head {d}": (8, 2, d) for d in HEAD_SIZES},
@@ -159,6 +180,14 @@ def scenarios() -> Iterator[tuple[str, Callable[[], None]]]:
                 yield (f"attention {mode} {_TYPES[dtype]} fp8-kv {m}",
                        lambda dt=dtype, a=hq, b=hk, c=d, m=mode: _attention(dt, a, b, c, m,
                                                                             kv_dtype=FP8))
+        for m, (hq, hk, d) in GEMMA_MODELS.items():  # sliding window + soft-capped scores
+            for mode in ("decode", "split", "mixed"):
+                yield (f"attention {mode} {_TYPES[dtype]} softcap {m}",
+                       lambda dt=dtype, a=hq, b=hk, c=d, m=mode: _attention(dt, a, b, c, m,
+                                                                            softcap=50.0))
+        for m, shape in MOE_MODELS.items():
+            yield (f"fused moe {_TYPES[dtype]} {m}",
+                   lambda dt=dtype, sh=shape: _fused_moe(dt, *sh))
         for m, hidden, inter in (("llama-3-8b", 4096, 14336), ("qwen2.5-0.5b", 896, 4864)):
             hq, hk, d = MODELS[m]
             yield (f"small ops {_TYPES[dtype]} {m}",

@@ -110,6 +110,8 @@ def test_c_kernels_build_for_every_class_and_match_the_references(isa, monkeypat
         for heads, head_size in [((14, 2), 64), ((8, 2), 128), ((4, 1), 80), ((6, 2), 32),
                                  ((4, 2), 36)]:
             kernel_tests.test_paged_attention_matches_reference(dtype, heads, head_size, 16)
+            kernel_tests.test_paged_attention_sliding_window_and_softcap(dtype, heads, head_size,
+                                                                         19, 3.0)
         kernel_tests.test_rms_norm_and_fused_residual(dtype, 40)
         kernel_tests.test_rms_norm_and_fused_residual(dtype, 896)
         kernel_tests.test_silu_and_mul(dtype)
@@ -117,6 +119,7 @@ def test_c_kernels_build_for_every_class_and_match_the_references(isa, monkeypat
         kernel_tests.test_grammar_mask_matches_xgrammar(dtype)
     kernel_tests.test_paged_attention_decode_only_and_padding_rows()
     kernel_tests.test_paged_attention_ignores_cache_outside_the_sequence()
+    kernel_tests.test_paged_attention_reads_nothing_before_the_window()
     kernel_tests.test_store_kv_matches_reference_and_skips_minus_one()
     for dtype in (torch.float32, torch.bfloat16):
         for m, k, n in [(1, 96, 72), (3, 200, 300), (17, 64, 130), (9, 4864, 37), (2, 3, 5)]:

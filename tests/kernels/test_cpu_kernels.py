@@ -87,6 +87,41 @@ def test_paged_attention_ignores_cache_outside_the_sequence():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,head_size", [((14, 2), 64), ((8, 2), 128), ((4, 1), 80),
+                                             ((4, 2), 36)])
+@pytest.mark.parametrize("window,softcap", [(5, 0.0), (19, 3.0), (40, 0.0), (0, 3.0)])
+def test_paged_attention_sliding_window_and_softcap(dtype, heads, head_size, window, softcap):
+    """Windows shorter than a block, across blocks and 16/32-key chunks, and none (soft cap
+    only), on every path: AVX-512 decode rows (64, 128), the tile path (80), plain C (36)."""
+    seq_lens, query_lens = [37, 5, 70, 200, 1, 130], [37, 1, 9, 1, 1, 24]
+    torch.manual_seed(window + head_size)
+    batch = build_paged_batch(seq_lens, query_lens, *heads, head_size=head_size, block_size=16,
+                              dtype=dtype)
+    k, v = batch.k_cache.contiguous(), batch.v_cache.contiguous()
+    args = (batch.query, k, v, batch.block_tables, batch.seq_lens, batch.query_start_loc)
+    got = cpu.paged_attention(*args, 0.3, window, softcap)
+    expected = paged_attention_ref(*args, 0.3, batch.max_query_len, batch.max_seq_len, window,
+                                   softcap)
+    torch.testing.assert_close(got.float(), expected.float(), **TOL[dtype])
+    plain = paged_attention_ref(*args, 0.3, batch.max_query_len, batch.max_seq_len)
+    assert not torch.allclose(expected.float(), plain.float(), **TOL[dtype])
+
+
+def test_paged_attention_reads_nothing_before_the_window():
+    """Blocks wholly before every query's window may be freed: NaN there changes nothing."""
+    batch = build_paged_batch([70, 53], [1, 5], 8, 2, head_size=64, block_size=8,
+                              dtype=torch.float32)
+    k, v = batch.k_cache.contiguous(), batch.v_cache.contiguous()
+    args = (batch.query, k, v, batch.block_tables, batch.seq_lens, batch.query_start_loc)
+    before = cpu.paged_attention(*args, 0.125, 12)
+    for b, first in enumerate([70 - 12, 53 - 5 - 11]):  # each sequence's first visible key
+        for j in range(first // 8):
+            k[int(batch.block_tables[b, j])] = float("nan")
+            v[int(batch.block_tables[b, j])] = float("nan")
+    assert torch.equal(cpu.paged_attention(*args, 0.125, 12), before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hidden", [896, 40])  # 40: the scalar tail after the vector loop
 def test_rms_norm_and_fused_residual(dtype, hidden):
     torch.manual_seed(hidden)

@@ -53,3 +53,25 @@ def test_default_model_greedy_tokens_match_the_reference_path(device, quantizati
             (tr, vr), (tg, vg) = next(iter(lr.items())), next(iter(lg.items()))
             assert tr == tg and abs(vr - vg) < 1e-3
     assert torch.isfinite(llm.engine.runner.kv_cache.float()).all()
+
+
+def test_gemma2_sliding_window_and_softcap_match_the_reference_path(device, tmp_path):
+    """Gemma 2 (window 12 on layer 0, soft-capped scores and logits) through the Triton
+    attention: the prompts, chunked by 12 tokens, and their decode steps cross the window."""
+    from tests.checkpoints import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "gemma2", arch="gemma2", attn_logit_softcapping=4.0,
+                           final_logit_softcapping=8.0, tie_word_embeddings=False)
+    llm = LLM(str(path), dtype="float32", device=device.type, kv_cache_memory_bytes=8 << 20,
+              block_size=8, max_num_batched_tokens=12, max_model_len=256, enforce_eager=True)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+    inputs = [{"prompt_token_ids": p} for p in [[0, *range(100, 130)], PROMPTS[1]]]
+    with ops.backend("reference"):
+        ref = llm.generate(inputs, params, use_tqdm=False)
+    with ops.backend("triton"):
+        got = llm.generate(inputs, params, use_tqdm=False)
+    for r, g in zip(ref, got):
+        assert g.outputs[0].token_ids == r.outputs[0].token_ids
+        for lr, lg in zip(r.outputs[0].logprobs, g.outputs[0].logprobs):
+            (tr, vr), (tg, vg) = next(iter(lr.items())), next(iter(lg.items()))
+            assert tr == tg and abs(vr - vg) < 1e-4

@@ -22,7 +22,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {"_paged_attention_kernel", "_split_kernel", "_reduce_kernel", "_store_kv_kernel",
-           "_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel", "_w8a16_kernel"}
+           "_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel", "_w8a16_kernel",
+           "_fused_moe_kernel"}
 TARGETS = ("sm_90", "sm_80")
 SHARED_LIMIT = {"sm_90": 227 * 1024, "sm_80": 163 * 1024}  # per thread block (H100/H200, A100)
 

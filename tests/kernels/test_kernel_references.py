@@ -20,8 +20,9 @@ from kernels.rotary import rotary_embedding_ref
 from tests.kernels.kernel_testing import build_paged_batch
 
 
-def naive_attention(query, dense_k, dense_v, seq_lens, query_lens, scale):
-    """Dense causal GQA attention in float64, one (token, head) at a time."""
+def naive_attention(query, dense_k, dense_v, seq_lens, query_lens, scale, window=0, softcap=0.0):
+    """Dense causal GQA attention in float64, one (token, head) at a time; ``window`` > 0: the
+    last that many positions only; ``softcap`` > 0: scores capped to c * tanh(s / c)."""
     out = torch.zeros(query.shape, dtype=torch.float64)
     num_q_heads, num_kv_heads = query.shape[1], dense_k[0].shape[1]
     row = 0
@@ -30,8 +31,11 @@ def naive_attention(query, dense_k, dense_v, seq_lens, query_lens, scale):
             pos = seq_len - q_len + i
             for h in range(num_q_heads):
                 kh = h // (num_q_heads // num_kv_heads)
-                scores = k[: pos + 1, kh].double() @ query[row, h].double() * scale
-                out[row, h] = torch.softmax(scores, 0) @ v[: pos + 1, kh].double()
+                first = max(0, pos + 1 - window) if window else 0
+                scores = k[first : pos + 1, kh].double() @ query[row, h].double() * scale
+                if softcap:
+                    scores = softcap * torch.tanh(scores / softcap)
+                out[row, h] = torch.softmax(scores, 0) @ v[first : pos + 1, kh].double()
             row += 1
     return out
 
@@ -51,6 +55,20 @@ def test_paged_attention_ref_matches_dense_causal(seq_lens, query_lens, heads):
     out = paged_attention_ref(*batch.attention_args(scale))
     expected = naive_attention(batch.query, batch.dense_k, batch.dense_v, seq_lens, query_lens, scale)
     assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window,softcap", [(1, 0.0), (6, 0.0), (13, 2.0), (0, 2.0)])
+@pytest.mark.parametrize(
+    "seq_lens,query_lens",
+    [([37, 5, 16, 50, 70], [37, 1, 4, 1, 9]), ([9, 33, 1], [1, 1, 1]), ([17], [17])],
+)
+def test_paged_attention_ref_sliding_window_and_softcap(seq_lens, query_lens, window, softcap):
+    batch = build_paged_batch(seq_lens, query_lens, 8, 2, head_size=16, block_size=8,
+                              dtype=torch.float32)
+    out = paged_attention_ref(*batch.attention_args(0.25), window, softcap)
+    expected = naive_attention(batch.query, batch.dense_k, batch.dense_v, seq_lens, query_lens,
+                               0.25, window, softcap)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 

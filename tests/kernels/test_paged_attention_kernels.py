@@ -127,3 +127,38 @@ def test_rejects_bad_arguments(device):
     bad_loc[5] = batch.query_start_loc[:1]
     with pytest.raises(ValueError, match="query_start_loc"):
         paged_attention_triton(*bad_loc)
+
+
+# Sliding window (keys at positions > p - window) and soft-capped scores (Gemma 2): windows
+# shorter than a block, across block and 32-key tile boundaries, and longer than some contexts.
+WINDOWS = [5, 16, 40]
+
+
+@pytest.mark.parametrize("softcap", [0.0, 5.0], ids=lambda c: f"cap{c:g}")
+@pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"w{w}")
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_sliding_window_and_softcap(device, scenario, window, softcap):
+    seq_lens, query_lens = SCENARIOS[scenario]
+    batch = build_paged_batch(seq_lens, query_lens, 8, 2, 64, 8, torch.float32, device)
+    args = batch.attention_args(0.3)
+    out = paged_attention_triton(*args, sliding_window=window, softcap=softcap)
+    want = paged_attention_ref(*args, window, softcap)
+    assert_close(out, want)
+    assert not torch.allclose(want, paged_attention_ref(*args))  # the window or cap mattered
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("window", [7, 33, 1000], ids=lambda w: f"w{w}")
+def test_split_kv_sliding_window_and_softcap(device, window, dtype):
+    """Split-KV cuts only the window's keys into the splits (1000: wider than every context)."""
+    batch = build_paged_batch([150, 7, 65, 32], [1, 1, 1, 1], 5, 1, 80, 16, dtype, device)
+    args = batch.attention_args(80**-0.5)
+    out = paged_attention_triton(*args, split_kv=True, partition_size=32,
+                                 sliding_window=window, softcap=2.0)
+    assert_close(out, paged_attention_ref(*args, window, 2.0))
+
+
+def test_rejects_negative_window(device):
+    batch = build_paged_batch([6], [6], 4, 2, 64, 8, torch.float32, device)
+    with pytest.raises(ValueError, match="sliding_window"):
+        paged_attention_triton(*batch.attention_args(1.0), sliding_window=-1)
