@@ -33,10 +33,10 @@ check-wheel:
 	bash scripts/check_wheel.sh
 
 serve: setup
-	$(VENV)/bin/serve run serve_app:app
+	$(VENV)/bin/pagedserve serve
 
 generate: setup
-	$(PY) -m engine.llm --prompt "Hello, my name is" --max-tokens 32
+	$(VENV)/bin/pagedserve generate --prompt "Hello, my name is" --max-tokens 32
 
 k8s: setup
 	$(PY) scripts/render_k8s.py

@@ -56,6 +56,7 @@ class AsyncEngine:
         self.dtype = self.engine.dtype  # the activations' dtype in use (dtype="auto" resolved)
         self.quantization = self.engine.quantization  # the weights' format; None: dtype
         self.kv_cache_dtype = self.engine.kv_cache_dtype  # "fp8_e4m3", or the dtype's name
+        self.default_sampling = self.engine.default_sampling  # generation_config.json's
         self._inbox: queue.SimpleQueue[_Message] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}

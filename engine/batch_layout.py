@@ -3,7 +3,9 @@
 ``input_ids`` and ``positions`` ``[T]``, the cache ``slot_mapping`` ``[T]``, ``block_tables``
 ``[B, max_blocks]``, ``seq_lens`` and ``query_start_loc`` (cu_seqlens of the queries). Logits are
 computed only for the last token of requests whose new tokens reach the end of their sequence:
-``sample_idx`` are those rows, ``sample_reqs`` their requests.
+``sample_idx`` are those rows, ``sample_reqs`` their requests. A request that asks for prompt
+logprobs also gets the rows of its prompt positions not yet scored, after the sampled rows:
+``prompt_rows`` says whose and how many, in order.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class HostBatch(NamedTuple):
     max_query_len: int
     sample_idx: list[int]  # rows of the hidden states that get logits
     sample_reqs: list[Request]
+    prompt_rows: list[tuple[Request, int]]  # rows after the sampled ones: prompt logprobs
 
 
 def lay_out(sched: SchedulerOutput, block_size: int) -> HostBatch:
@@ -38,6 +41,8 @@ def lay_out(sched: SchedulerOutput, block_size: int) -> HostBatch:
     seq_lens, q_starts = [], [0]
     sample_idx: list[int] = []
     sample_reqs: list[Request] = []
+    prompt_idx: list[int] = []
+    prompt_rows: list[tuple[Request, int]] = []
     max_blocks = max(len(r.block_ids) for r, _ in sched.scheduled)
     tables = np.zeros((len(sched.scheduled), max_blocks), dtype=np.int32)
     for b, (req, n) in enumerate(sched.scheduled):
@@ -53,7 +58,13 @@ def lay_out(sched: SchedulerOutput, block_size: int) -> HostBatch:
         if end == req.num_tokens:
             sample_idx.append(q_starts[-1] - 1)
             sample_reqs.append(req)
+        if req.prompt_logprobs:  # position p scores prompt token p + 1
+            first = max(start, len(req.prompt_logprobs) - 1)
+            rows = range(first, min(end, req.num_prompt_tokens - 1))
+            prompt_idx.extend(q_starts[-2] + p - start for p in rows)
+            if rows:
+                prompt_rows.append((req, len(rows)))
     return HostBatch(np.array(ids, dtype=np.int64), np.concatenate(positions),
                      np.concatenate(slots), tables, np.array(seq_lens, dtype=np.int32),
                      np.array(q_starts, dtype=np.int32), max(n for _, n in sched.scheduled),
-                     sample_idx, sample_reqs)
+                     sample_idx + prompt_idx, sample_reqs, prompt_rows)

@@ -31,7 +31,13 @@ class ModelConfig(_Strict):
     model: str | None = Field(
         None,
         description="Path to a Hugging Face checkpoint folder (config.json, *.safetensors, "
-        "tokenizer). None builds and uses the small random-weight default model.",
+        "tokenizer) or a Hub id (owner/name; engine/models/hub.py). None: the default model.",
+    )
+    revision: str | None = Field(None, description="A Hub id's branch, tag or commit.")
+    download_dir: str | None = Field(None, description="A Hub id's cache (None: HF_HUB_CACHE).")
+    generation_config: str = Field(
+        "auto", description="Sampling defaults for what requests leave unset: 'auto' the "
+        "model's generation_config.json, 'vllm' none, or a folder holding such a file.",
     )
     dtype: DType = Field(
         "auto",

@@ -9,13 +9,23 @@ shared) are evicted before its first ones. A freed block keeps its hash until it
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.request import Request
 
-ROOT_HASH = -1  # parent hash of a sequence's first block
+ROOT_HASH = -1  # parent hash of a sequence's first block (without a cache salt)
+
+
+def root_hash(req: Request) -> int:
+    """The parent hash of ``req``'s first block: its ``cache_salt`` enters it, so requests
+    share cached blocks only under the same salt (or none)."""
+    salt = req.params.cache_salt
+    if salt is None:
+        return ROOT_HASH
+    return int.from_bytes(hashlib.sha256(salt.encode()).digest()[:8], "little", signed=True)
 
 
 def hash_block_tokens(parent_hash: int, token_ids: tuple[int, ...]) -> int:
@@ -60,12 +70,13 @@ class KVCacheManager:
     # ----------------------------------------------------------------- prefix cache
     def get_computed_blocks(self, req: Request) -> list[int]:
         """Cached blocks matching the start of ``req``'s tokens; never the last token's block."""
-        if not self.enable_prefix_caching:
+        # prompt logprobs need every prompt position's logits: no cached prefix (as vLLM)
+        if not self.enable_prefix_caching or req.params.prompt_logprobs is not None:
             return []
         self.prefix_queries += req.num_prompt_tokens
         bs = self.block_size
         hits: list[int] = []
-        parent = ROOT_HASH
+        parent = root_hash(req)
         for i in range((req.num_tokens - 1) // bs):
             tokens = tuple(req.all_token_ids[i * bs : (i + 1) * bs])
             h = req.block_hashes[i] if i < len(req.block_hashes) else hash_block_tokens(parent, tokens)
@@ -84,7 +95,7 @@ class KVCacheManager:
         bs = self.block_size
         num_full = min(req.num_computed_tokens // bs, len(req.block_ids))
         for i in range(len(req.block_hashes), num_full):
-            parent = req.block_hashes[i - 1] if i else ROOT_HASH
+            parent = req.block_hashes[i - 1] if i else root_hash(req)
             tokens = tuple(req.all_token_ids[i * bs : (i + 1) * bs])
             h = hash_block_tokens(parent, tokens)
             req.block_hashes.append(h)

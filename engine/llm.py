@@ -38,13 +38,20 @@ class LLM:
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams`` with the model's generation_config.json defaults (temperature,
+        top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens) unless the
+        ``generation_config`` setting is 'vllm'; what ``generate`` uses when given none."""
+        return SamplingParams(**self.engine.default_sampling)
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order. Bad input raises
         ``ValueError`` before anything runs."""
         prompts = _prompt_list(prompts)
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = (sampling_params if sampling_params is not None
+                  else self.get_default_sampling_params())
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):

@@ -23,12 +23,15 @@ import torch
 from engine.config import EngineConfig, resolve_max_model_len
 from engine.envs import configure_kernels
 from engine.kv_cache_manager import KVCacheManager
+from engine.layers.logits_processors import bad_words_ids, check_vocab_ids
 from engine.loader import resolve_dtype
 from engine.model_runner import ModelRunner
+from engine.models.generation_config import default_sampling
 from engine.models.hf_config import HFConfig
+from engine.models.hub import locate_model
 from engine.output_processor import OutputProcessor, RequestGroup
 from engine.outputs import Logprobs, RequestOutput
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.stats import EngineStats
@@ -49,10 +52,7 @@ class LLMEngine:
         """``rank_launcher`` starts ranks 1..N-1 when ``tensor_parallel_size`` N > 1 (default:
         spawned local processes, one device each)."""
         self.config = config = config or EngineConfig.from_kwargs(**kwargs)
-        from engine.models.default_model import DEFAULT_MODEL_NAME, default_model_path
-
-        model_path = config.model.model or str(default_model_path())
-        self.model_name = config.model.model or DEFAULT_MODEL_NAME
+        model_path, self.model_name = locate_model(config.model)  # its folder, and its name
         self.hf = HFConfig.load(model_path)
         self.device = config.device.resolve_device()
         configure_kernels(config.device)  # before the dtype: it follows the CPU's class
@@ -65,6 +65,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(model_path)
         check_vocab(model_path, self.hf, self.tokenizer)
         self.eos_token_ids = frozenset(eos_token_ids(model_path, self.hf, self.tokenizer))
+        self.default_sampling = default_sampling(model_path, config.model.generation_config)
         self.dtype = dtype = resolve_dtype(config.model.dtype, self.hf.torch_dtype, self.device)
         # how the weights are kept: the quantization setting, else the checkpoint's own
         self.quantization = config.model.quantization or (
@@ -131,9 +132,12 @@ class LLMEngine:
             self.shutdown()
 
     # ----------------------------------------------------------------- requests in
-    def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """Tokenize and check a prompt; ``ValueError`` naming the problem."""
-        return encode_prompt(self.tokenizer, prompt, self.hf.vocab_size, self.max_model_len)
+    def process_prompt(self, prompt: PromptType, truncate: int | None = None,
+                       ) -> tuple[str | None, list[int]]:
+        """Tokenize and check a prompt (``truncate``: keep its last N tokens); ``ValueError``
+        naming the problem."""
+        return encode_prompt(self.tokenizer, prompt, self.hf.vocab_size, self.max_model_len,
+                             truncate)
 
     def check_request(self, prompt: PromptType, params: SamplingParams,
                       ) -> tuple[str | None, list[int]]:
@@ -143,11 +147,8 @@ class LLMEngine:
             raise ValueError(f"sampling params must be a SamplingParams, got "
                              f"{type(params).__name__}")
         params.validate()
-        outside = [t for t in params.stop_token_ids if t >= self.hf.vocab_size]
-        if outside:  # they index the logits: one bad id would fail the whole step
-            raise ValueError(f"stop_token_ids must be in [0, {self.hf.vocab_size - 1}], "
-                             f"got {outside[:5]}")
-        return self.process_prompt(prompt)
+        check_vocab_ids(params, self.hf.vocab_size)
+        return self.process_prompt(prompt, params.truncate_prompt_tokens)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None,
@@ -160,8 +161,11 @@ class LLMEngine:
         seqs = [Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, params,
                         self.eos_token_ids, index=i, group_id=request_id,
                         arrival_time=arrival_time) for i in range(params.n)]
+        bad_words = bad_words_ids(self.tokenizer, params.bad_words)
         for child in seqs[1:]:
             child.parent = seqs[0]
+        for seq in seqs:
+            seq.bad_words = bad_words
         if params.structured_outputs is not None:
             for seq in seqs:
                 seq.grammar = self.grammars.state(params.structured_outputs)
@@ -229,11 +233,14 @@ class LLMEngine:
         return outputs
 
     def _append(self, req: Request, token: int, logprobs: Logprobs | None, now: float) -> None:
-        req.append_token(token, logprobs)
-        self.generation_tokens_total += 1
-        if req.first_token_time is None:
-            req.first_token_time = now
-        finished = self.outputs.detokenize(req, token, req.check_stop(self.max_model_len))
+        if req.params.max_tokens == 0:  # the prompt only (say, for its logprobs): no token
+            req.status, finished = RequestStatus.FINISHED_LENGTH, True
+        else:
+            req.append_token(token, logprobs)
+            self.generation_tokens_total += 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+            finished = self.outputs.detokenize(req, token, req.check_stop(self.max_model_len))
         if finished:
             self.scheduler.free_finished(req)
             self._forget_generator(req.request_id)

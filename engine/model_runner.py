@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine import step_message
-from engine.batch_layout import lay_out
+from engine.batch_layout import HostBatch, lay_out
 from engine.config import EngineConfig
 from engine.context import AttentionMetadata, set_context
 from engine.cpu_runtime import keep_freed_memory
@@ -148,7 +148,7 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- one step
     def prepare(self, sched: SchedulerOutput,
-                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Request]]:
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, HostBatch]:
         batch = lay_out(sched, self.block_size)
         dev = self.device
         meta = AttentionMetadata(
@@ -161,7 +161,7 @@ class ModelRunner:
         )
         input_ids = torch.from_numpy(batch.input_ids).to(dev)
         pos_t = torch.from_numpy(batch.positions).to(dev)
-        return input_ids, pos_t, meta, batch.sample_idx, batch.sample_reqs
+        return input_ids, pos_t, meta, batch
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata, num_seqs: int) -> torch.Tensor:
@@ -174,13 +174,13 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:
         if self.tp > 1:
             return self._execute_tp(sched)
-        input_ids, positions, meta, sample_idx, sample_reqs = self.prepare(sched)
+        input_ids, positions, meta, batch = self.prepare(sched)
         hidden = self._forward(input_ids, positions, meta, len(sched.scheduled))
-        if not sample_reqs:
+        if not batch.sample_idx:
             return [], None
-        logits = self.model.compute_logits(hidden[sample_idx])
+        logits = self.model.compute_logits(hidden[batch.sample_idx])
         assert logits is not None and self.sampler is not None  # a single rank is rank 0
-        return sample_reqs, self.sampler(logits, sample_reqs)
+        return batch.sample_reqs, self.sampler(logits, batch.sample_reqs, batch.prompt_rows)
 
     # ----------------------------------------------------------------- tensor parallelism
     def _execute_tp(self, sched: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:
@@ -195,7 +195,7 @@ class ModelRunner:
         if logits is None:
             return [], None
         assert self.sampler is not None
-        return batch.sample_reqs, self.sampler(logits, batch.sample_reqs)
+        return batch.sample_reqs, self.sampler(logits, batch.sample_reqs, batch.prompt_rows)
 
     def _run_step(self, header: torch.Tensor, body: torch.Tensor) -> torch.Tensor | None:
         """Every rank: unpack a step message, run the forward; logits on rank 0 (else None)."""

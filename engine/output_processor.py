@@ -29,6 +29,7 @@ class RequestGroup:
     streams: list[TextStream | None]
     sent_tokens: list[int] = field(default_factory=list)
     pending_text: list[str] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False  # (delta outputs carry them once)
 
     @property
     def finished(self) -> bool:
@@ -79,8 +80,13 @@ class OutputProcessor:
             outs.append(self._completion(g, seq, delta=kind == "delta"))
             g.sent_tokens[seq.index] = seq.num_output_tokens
         metrics = group_metrics(g.seqs, time.monotonic()) if g.finished else {}
+        first = g.seqs[0]
+        prompt_lps = first.prompt_logprobs if len(first.prompt_logprobs) == len(
+            g.prompt_token_ids) and not (kind == "delta" and g.prompt_logprobs_sent) else None
+        g.prompt_logprobs_sent |= prompt_lps is not None
         return RequestOutput(g.request_id, g.prompt_token_ids, outs, g.finished, g.prompt,
-                             num_cached_tokens=g.seqs[0].num_cached_tokens, metrics=metrics)
+                             num_cached_tokens=first.num_cached_tokens, metrics=metrics,
+                             prompt_logprobs=prompt_lps)
 
     @staticmethod
     def _completion(g: RequestGroup, seq: Request, delta: bool) -> CompletionOutput:

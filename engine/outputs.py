@@ -3,10 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 # One sampled position's log-probabilities: token id -> logprob. It always holds the chosen
 # token, plus the top-N when ``SamplingParams.logprobs = N``.
 Logprobs = dict[int, float]
+
+
+class Logprob(NamedTuple):
+    """A prompt token's log-probability and its rank in the model's distribution (1: the
+    most likely)."""
+
+    logprob: float
+    rank: int
+
+
+# ``SamplingParams.prompt_logprobs = N``: per prompt token, its logprob and the top-N of the
+# distribution it was drawn from; None for the first token (nothing predicts it).
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -22,7 +36,7 @@ class CompletionOutput:
     text: str = ""
     logprobs: list[Logprobs] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
-    stop_reason: int | str | None = None  # the stop token id or stop string that matched
+    stop_reason: int | str | None = None  # the stop_token_ids id or stop string (EOS: None)
 
     @property
     def finished(self) -> bool:
@@ -38,3 +52,4 @@ class RequestOutput:
     prompt: str | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    prompt_logprobs: PromptLogprobs | None = None  # once the prompt is computed

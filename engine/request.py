@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
-from engine.outputs import Logprobs
+from engine.outputs import Logprobs, PromptLogprobs
 from engine.sampling_params import SamplingParams
 from engine.structured_output import GrammarState
 
@@ -65,6 +65,10 @@ class Request:
         self.first_token_time: float | None = None
         self.num_preemptions = 0
         self.grammar: GrammarState | None = None  # with structured_outputs: its matcher
+        self.bad_words: list[list[int]] = []  # the token ids of params.bad_words
+        # with params.prompt_logprobs, on the first of the n: the prompt tokens' scored so far
+        self.prompt_logprobs: PromptLogprobs = (
+            [None] if params.prompt_logprobs is not None and index == 0 else [])
 
     @property
     def num_tokens(self) -> int:
@@ -95,7 +99,7 @@ class Request:
         n_out = self.num_output_tokens
         if n_out >= self.params.min_tokens and last in self.stop_ids:
             self.status = RequestStatus.FINISHED_STOPPED
-            self.stop_reason = last
+            self.stop_reason = last if last in self.params.stop_token_ids else None  # EOS: None
         elif self.grammar is not None and self.grammar.terminated:
             self.status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
         elif (self.params.max_tokens is not None and n_out >= self.params.max_tokens) or (

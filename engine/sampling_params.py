@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn, TypeGuard
 
+from engine.layers.logits_processors import validate_extras
 from engine.structured_output import StructuredOutputsParams
 
 OutputKind = Literal["cumulative", "delta", "final"]
@@ -42,7 +43,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
-    prompt_logprobs: None = None
+    prompt_logprobs: int | None = None  # top-N of every prompt position (the first is None)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -50,6 +51,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     output_kind: OutputKind = "cumulative"
     structured_outputs: StructuredOutputsParams | None = None
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last N tokens
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # never generated (engine.layers.logits_processors)
+    cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -73,18 +78,18 @@ class SamplingParams:
         _int_field("n", self.n, 1, MAX_N)
         _float_field("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         _float_field("top_p", self.top_p, 0.0, 1.0, low_open=True)
-        _int_field("top_k", self.top_k, -1, INT32_MAX)
-        _check(self.top_k != 0, "top_k", "must be -1 (off) or >= 1", self.top_k)
+        _int_field("top_k", self.top_k, -1, INT32_MAX)  # 0 and -1: off
         _float_field("min_p", self.min_p, 0.0, 1.0)
         _int_field("seed", self.seed, _SEED_MIN, _SEED_MAX, optional=True)
-        _int_field("max_tokens", self.max_tokens, 1, INT32_MAX, optional=True)
+        _int_field("max_tokens", self.max_tokens, 0, INT32_MAX, optional=True)  # 0: prompt only
         _int_field("min_tokens", self.min_tokens, 0, INT32_MAX)
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens",
                    self.min_tokens)
         _int_field("logprobs", self.logprobs, 0, MAX_LOGPROBS, optional=True)
-        _check(self.prompt_logprobs is None, "prompt_logprobs", "is not supported",
-               self.prompt_logprobs)
+        _int_field("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS, optional=True)
+        _int_field("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, INT32_MAX, True)
+        validate_extras(self)
         for name in ("presence_penalty", "frequency_penalty"):
             _float_field(name, getattr(self, name), -2.0, 2.0)
         _float_field("repetition_penalty", self.repetition_penalty, 0.0, 2.0, low_open=True)

@@ -67,9 +67,10 @@ def eos_token_ids(model_path: str, hf: HFConfig, tokenizer: PreTrainedTokenizerB
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: PromptType, vocab_size: int, max_model_len: int,
-                  ) -> tuple[str | None, list[int]]:
+                  truncate: int | None = None) -> tuple[str | None, list[int]]:
     """A prompt (text, token ids, or a dict with 'prompt' or 'prompt_token_ids') as its text
-    (None for ids) and token ids, checked: ``ValueError`` naming the problem."""
+    (None for ids) and token ids (``truncate``: only the last N), checked: ``ValueError``
+    naming the problem."""
     text = None
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
@@ -90,6 +91,7 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: PromptType, vocab_
                              f"got {bad[:5]}")
     if not ids:
         raise ValueError("prompt must not be empty")
+    ids = ids[-truncate:] if truncate else ids
     if len(ids) >= max_model_len:
         raise ValueError(f"prompt is {len(ids)} tokens long; max_model_len is {max_model_len}, "
                          f"so prompts may have at most {max_model_len - 1} tokens")

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 from engine.config import EngineConfig
 from serve_app.autoscaling_config import AutoscalingPolicyConfig, load_policy
+from serve_app.chat_template import load_chat_template
 from serve_app.metric_names import MetricsNaming
 
 
@@ -56,6 +57,11 @@ class AppConfig(BaseModel):
         "pagedserve", description="Names of the exported metrics: pagedserve's own "
         "(pagedserve_*, labels model_name and replica) or vllm (vLLM's names as Ray Serve LLM "
         "exports them: vllm_*, labels model_name, engine and ReplicaId)."
+    )
+    chat_template: str | None = Field(
+        None, description="The chat template to use instead of the tokenizer's (vLLM's "
+        "--chat-template): a file's path, read when the app is built, or the Jinja template "
+        "itself. Requests pass variables to it with chat_template_kwargs."
     )
     num_workers: int = Field(1, ge=1, description="Worker replicas, each owning one engine.")
     num_routers: int = Field(1, ge=1, description="Router (HTTP ingress) replicas.")
@@ -201,6 +207,12 @@ class AppConfig(BaseModel):
         if not key:
             raise ValueError(f"api_key_file {self.api_key_file!r} is empty")
         return key
+
+    @field_validator("chat_template")
+    @classmethod
+    def _load_chat_template(cls, value: str | None) -> str | None:
+        """A file's path -> its text (a template stays as it is), checked to parse."""
+        return None if value is None else load_chat_template(value)
 
     @field_validator("autoscaling", mode="before")
     @classmethod

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.models.generation_config import with_defaults
 from engine.sampling_params import SamplingParams
 from serve_app.config import AppConfig
 from serve_app.errors import APIError
@@ -32,8 +33,12 @@ class PromptProcessor:
 
     def __init__(self, info: ModelInfo, model_name: str, prefix_chunk_tokens: int,
                  max_n: int = 16, max_tokens_limit: int | None = None,
-                 max_prompts: int | None = None, tool_call_parser: str | None = None) -> None:
+                 max_prompts: int | None = None, tool_call_parser: str | None = None,
+                 chat_template: str | None = None) -> None:
         self.tokenizer = info["tokenizer"]
+        self.chat_template = chat_template  # the app's, over the tokenizer's (None: its own)
+        # the model's generation_config.json defaults for fields a request leaves unset
+        self.default_sampling: dict[str, Any] = info.get("default_sampling") or {}
         self._backend = _backend_copy(self.tokenizer)
         self.model_name = model_name
         self.max_model_len: int = info["max_model_len"]
@@ -53,7 +58,7 @@ class PromptProcessor:
         app's request bounds."""
         return cls(info, cfg.served_model_name or info["model_name"], cfg.prefix_chunk_tokens,
                    cfg.max_n, cfg.max_tokens_limit, cfg.max_waiting_requests,
-                   cfg.tool_call_parser)
+                   cfg.tool_call_parser, cfg.chat_template)
 
     def check_size(self, num_prompts: int, n: int, max_tokens: int | None,
                    max_tokens_param: str = "max_tokens") -> None:
@@ -73,17 +78,17 @@ class PromptProcessor:
             raise APIError(404, f"The model `{name}` does not exist; this server serves "
                            f"`{self.model_name}`.", param="model", code="model_not_found")
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; a 400 when they cannot fit ``max_model_len`` with one output
-        token."""
+    def encode(self, text: str, add_special_tokens: bool = True,
+               truncate: int | None = None) -> list[int]:
+        """Token ids of ``text`` (``truncate``: its last N); a 400 when they cannot fit
+        ``max_model_len`` with one output token."""
         if self._backend is None:
             ids: list[int] = self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
-            self._check_length(len(ids))
-            return ids
-        encoding = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
-        self._check_length(len(encoding))
-        fast_ids: list[int] = encoding.ids
-        return fast_ids
+        else:
+            ids = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        ids = ids[-truncate:] if truncate else ids
+        self._check_length(len(ids))
+        return ids
 
     def _check_length(self, num_tokens: int, max_tokens: int | None = None,
                       max_tokens_param: str = "max_tokens") -> None:
@@ -100,26 +105,32 @@ class PromptProcessor:
                            f"{max_tokens_param}.", param=max_tokens_param,
                            code="context_length_exceeded")
 
-    def encode_completion(self, prompt: str | list[int]) -> list[int]:
+    def encode_completion(self, prompt: str | list[int], truncate: int | None = None) -> list[int]:
         if isinstance(prompt, str):
-            return self.encode(prompt)
+            return self.encode(prompt, truncate=truncate)
         if not prompt:
             raise APIError(400, "prompt must not be empty", param="prompt")
         if max(prompt) >= self.vocab_size:
             raise APIError(400, f"prompt: token id {max(prompt)} is outside the vocabulary "
                            f"[0, {self.vocab_size})", param="prompt")
-        return list(prompt)
+        return list(prompt[-truncate:] if truncate else prompt)
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None,
+                    continue_final_message: bool = False,
+                    template_kwargs: dict[str, Any] | None = None,
+                    truncate: int | None = None) -> list[int]:
+        """The conversation through the chat template (the app's, else the tokenizer's), with
+        ``template_kwargs`` as the template's variables, tokenized."""
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False,
-                add_generation_prompt=add_generation_prompt)
+                messages, tools=tools, tokenize=False, chat_template=self.chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **(template_kwargs or {}))
         except Exception as exc:  # the template raises jinja errors for bad conversations
             raise APIError(400, f"messages: the chat template rejected them: {exc}",
                            param="messages") from None
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=False, truncate=truncate)
 
     def decode(self, token_ids: list[int]) -> str:
         text: str = self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -130,20 +141,27 @@ class PromptProcessor:
         """Sampling parameters, after checking the prompt and output fit ``max_model_len``."""
         limit, n = self.max_model_len, len(prompt_ids)
         self._check_length(n, max_tokens, getattr(req, "max_tokens_param", "max_tokens"))
-        if req.stop_token_ids and max(req.stop_token_ids) >= self.vocab_size:
-            raise APIError(400, f"stop_token_ids: token id {max(req.stop_token_ids)} is outside "
-                           f"the vocabulary [0, {self.vocab_size})", param="stop_token_ids")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            ids = getattr(req, name)
+            if ids and max(ids) >= self.vocab_size:
+                raise APIError(400, f"{name}: token id {max(ids)} is outside the vocabulary "
+                               f"[0, {self.vocab_size})", param=name)
         if max_tokens is None:
             max_tokens = limit - n
             if self.max_tokens_limit is not None:
                 max_tokens = min(max_tokens, self.max_tokens_limit)
-        return sampling_params(req, max_tokens, num_logprobs)
+        sent = req.model_fields_set  # what the client set wins over the model's defaults
+        default_max = self.default_sampling.get("max_tokens")
+        if default_max is not None and not sent & {"max_tokens", "max_completion_tokens"}:
+            max_tokens = min(max_tokens, default_max)
+        params = sampling_params(req, max_tokens, num_logprobs)
+        return with_defaults(params, self.default_sampling, sent | {"max_tokens"})
 
     def prepare_completion(self, req: Any) -> tuple[list[list[int]], list[SamplingParams],
                                                     list[str] | None]:
         """A completion request's prompts as token ids, their params, and the echo texts."""
         raw = req.prompts()
-        prompts = [self.encode_completion(x) for x in raw]
+        prompts = [self.encode_completion(x, req.truncate_prompt_tokens) for x in raw]
         params = [self.params(req, ids, req.max_tokens, req.logprobs) for ids in prompts]
         echo = [x if isinstance(x, str) else self.decode(x) for x in raw] if req.echo else None
         return prompts, params, echo
@@ -152,7 +170,9 @@ class PromptProcessor:
         """A chat request's templated prompt as token ids, its params, and its tool plan."""
         plan = self.tool_plan(req)
         tools = [t.model_dump(exclude_none=True) for t in plan.tools] if plan else None
-        ids = self.encode_chat(req.chat_messages(), req.add_generation_prompt, tools)
+        ids = self.encode_chat(req.chat_messages(), req.add_generation_prompt, tools,
+                               req.continue_final_message, req.chat_template_kwargs,
+                               req.truncate_prompt_tokens)
         return ids, [self.params(req, ids, req.completion_limit(), req.num_logprobs())], plan
 
     def tool_plan(self, req: Any) -> ToolPlan | None:
@@ -167,7 +187,8 @@ class PromptProcessor:
                            "the app's tool_call_parser setting (hermes or llama3_json); "
                            '"required", a named function or "none" work without it',
                            param=field)
-        if not template_has_tools(self.tokenizer):
+        if not (template_has_tools(self.tokenizer) if self.chat_template is None
+                else "tools" in self.chat_template):
             raise APIError(400, "tools: this model's chat template does not render tools, so "
                            'the model cannot call them by itself; use tool_choice "required" '
                            "or a named function", param="tools")

@@ -3,7 +3,8 @@
 Validation is strict (``"5"`` is not a number) and parses the raw body once with
 ``model_validate_json``, so malformed JSON, wrong types and out-of-range values all become a 400
 naming the field. Unknown fields are ignored, as OpenAI-compatible servers do; known OpenAI
-features this server does not implement are rejected explicitly rather than silently dropped.
+and vLLM features this server does not implement are rejected explicitly rather than silently
+dropped (vLLM's extensions, done and refused: ``serve_app/vllm_fields.py``).
 What constrains the output (``response_format``, ``structured_outputs``) is read in
 ``serve_app/constraints.py``, tools in ``serve_app/tools.py``. Responses are plain dicts built
 in ``serve_app/responses.py``.
@@ -23,6 +24,7 @@ from engine.sampling_params import (
     SamplingParams,
 )
 from engine.structured_output import StructuredOutputsParams
+from serve_app.chat_template import check_chat_options
 from serve_app.constraints import ResponseFormat, StructuredOutputs, constraint
 from serve_app.errors import APIError, FieldError, StrictModel, from_validation_error
 from serve_app.tools import (
@@ -34,6 +36,7 @@ from serve_app.tools import (
     ToolPlan,
     template_arguments,
 )
+from serve_app.vllm_fields import VLLMExtensions
 
 MAX_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
@@ -46,13 +49,13 @@ class StreamOptions(StrictModel):
     include_usage: bool = Field(False, description="Send a final chunk with token usage.")
 
 
-class _Sampling(StrictModel):
-    """Fields shared by completions and chat."""
+class _Sampling(VLLMExtensions):
+    """Fields shared by completions and chat (vLLM's extensions: ``serve_app.vllm_fields``)."""
 
     model: str | None = Field(None, description="Served model name; the only model if omitted.")
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1, le=INT32_MAX, description="-1 turns it off.")
+    top_k: int = Field(-1, ge=-1, le=INT32_MAX, description="0 or -1 turns it off.")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_N, description="Choices per prompt; the Router bounds it "
                    "(max_n).")
@@ -87,6 +90,8 @@ class _Sampling(StrictModel):
                              "Router holds that much text back and searches it every token)")
         if self.stream_options is not None and not self.stream:
             raise FieldError("stream_options", "is only allowed when stream is true")
+        if self.stream and self.prompt_logprobs is not None:
+            raise FieldError("prompt_logprobs", "is not supported when streaming")
         return self
 
     @property
@@ -103,7 +108,8 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | TokenIds | list[TokenIds] = Field(
         description="A string, a list of strings, token ids, or a list of token-id lists."
     )
-    max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)
+    max_tokens: int | None = Field(16, ge=0, le=INT32_MAX, description="0: the prompt only "
+                                   "(with echo and logprobs: its logprobs).")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -114,10 +120,16 @@ class CompletionRequest(_Sampling):
             raise FieldError("suffix", "is not supported")
         if isinstance(self.prompt, list) and not self.prompt:
             raise FieldError("prompt", "must not be empty")
-        if self.echo and self.logprobs is not None:
-            raise FieldError("echo", "together with logprobs is not supported (no prompt "
-                             "logprobs)")
+        if self.echo and self.logprobs is not None and self.stream:
+            raise FieldError("echo", "together with logprobs is not supported when streaming")
         return self
+
+    def num_prompt_logprobs(self) -> int | None:
+        """Top-N of prompt tokens the engine computes: for ``prompt_logprobs``, and for the
+        echoed prompt's ``logprobs``."""
+        echoed = self.logprobs if self.echo else None
+        asked = [x for x in (self.prompt_logprobs, echoed) if x is not None]
+        return max(asked) if asked else None
 
     max_tokens_param: ClassVar[str] = "max_tokens"  # the field bounding the output (errors)
 
@@ -175,6 +187,10 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    continue_final_message: bool = Field(False, description="End the prompt inside the last "
+                                         "(assistant) message, for the model to continue it.")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="Variables for the "
+                                                        "chat template, e.g. enable_thinking.")
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -182,6 +198,8 @@ class ChatCompletionRequest(_Sampling):
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         self._check_tools()
+        check_chat_options(self.add_generation_prompt, self.continue_final_message,
+                           self.messages[-1].role, self.chat_template_kwargs)
         if self.top_logprobs is not None and not self.logprobs:
             raise FieldError("top_logprobs", "needs logprobs=true")
         return self
@@ -261,7 +279,10 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, skip_special_tokens=req.skip_special_tokens,
             detokenize=False, output_kind="delta",
-            structured_outputs=constraint,
+            structured_outputs=constraint, prompt_logprobs=req.num_prompt_logprobs(),
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
+            allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
+            cache_salt=req.cache_salt,
         )
     except ValueError as exc:
         message = str(exc)

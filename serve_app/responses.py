@@ -11,6 +11,7 @@ import math
 import time
 from typing import Any
 
+from serve_app.prompt_logprobs import Prompt, echo_logprobs, prompt_logprobs_json
 from serve_app.streams import Delta, LogprobEntry, Usage
 from serve_app.tools import ToolPlan
 
@@ -26,19 +27,22 @@ class _Format:
     object_chunk = ""
     object_final = ""
 
-    def __init__(self, response_id: str, model: str, tokenizer: Any, num_choices: int) -> None:
+    def __init__(self, response_id: str, model: str, tokenizer: Any, num_choices: int,
+                 system_fingerprint: str | None = None) -> None:
         self.id = response_id
         self.model = model
+        self.system_fingerprint = system_fingerprint
         self.created = int(time.time())
         self._tokenizer = tokenizer
         self._token_text: dict[int, str] = {}
         self._texts = [""] * num_choices
         self._finish: list[str | None] = [None] * num_choices
+        self._stop_reason: list[int | str | None] = [None] * num_choices
         self._logprobs: list[list[LogprobEntry]] = [[] for _ in range(num_choices)]
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]], usage: Usage | None = None) -> dict[str, Any]:
         body = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices}
+                "system_fingerprint": self.system_fingerprint, "choices": choices}
         if usage is not None:
             body["usage"] = usage.as_dict()
         return body
@@ -51,6 +55,7 @@ class _Format:
             self._texts[d.index] += d.text
             if d.finish_reason is not None:
                 self._finish[d.index] = d.finish_reason
+                self._stop_reason[d.index] = d.stop_reason
             if d.logprobs:
                 self._logprobs[d.index].extend(d.logprobs)
 
@@ -66,9 +71,12 @@ class CompletionFormat(_Format):
     object_chunk = object_final = "text_completion"
 
     def __init__(self, *args: Any, echo_texts: list[str] | None = None,
-                 want_logprobs: bool = False, n: int = 1) -> None:
+                 want_logprobs: bool = False, n: int = 1, echo_logprobs: int | None = None,
+                 prompt_logprobs: bool = False) -> None:
         super().__init__(*args)
         self._want_logprobs = want_logprobs
+        self._echo_logprobs = echo_logprobs  # top-N of the echoed prompt (echo and logprobs)
+        self._prompt_logprobs = prompt_logprobs  # the prompt_logprobs field in each choice
         self._echo = echo_texts  # per prompt, prepended once to each of its choices
         self._echoed: set[int] = set()
         self._n = n
@@ -87,7 +95,7 @@ class CompletionFormat(_Format):
             logprobs = self._logprobs_obj(d.logprobs, self._offsets[d.index])
             self._offsets[d.index] += len(text)
             choices.append({"index": d.index, "text": text, "logprobs": logprobs,
-                            "finish_reason": d.finish_reason})
+                            "finish_reason": d.finish_reason, "stop_reason": d.stop_reason})
         return self._envelope(self.object_chunk, choices)
 
     def collect(self, deltas: list[Delta]) -> None:
@@ -100,10 +108,19 @@ class CompletionFormat(_Format):
                 or (self._echo is not None and d.index not in self._echoed)]
         return [self.chunk(kept)] if kept else []
 
-    def final(self, usage: Usage) -> dict[str, Any]:
-        choices = [{"index": i, "text": self._texts[i],
+    def final(self, usage: Usage, prompts: list[Prompt] | None = None) -> dict[str, Any]:
+        """The response; ``prompts`` (per prompt: its ids and logprobs) for prompt logprobs."""
+        choices: list[dict[str, Any]] = [{"index": i, "text": self._texts[i],
                     "logprobs": self._logprobs_obj(self._logprobs[i], 0),
-                    "finish_reason": self._finish[i]} for i in range(len(self._texts))]
+                    "finish_reason": self._finish[i], "stop_reason": self._stop_reason[i]}
+                   for i in range(len(self._texts))]
+        for i, choice in enumerate(choices):
+            prompt = prompts[i // self._n] if prompts else ([], None)
+            if self._echo_logprobs is not None and prompt[1] is not None:
+                choice["logprobs"] = echo_logprobs(prompt, self._echo_logprobs,
+                                                   choice["logprobs"], self.token_text)
+            if self._prompt_logprobs:
+                choice["prompt_logprobs"] = prompt_logprobs_json(prompt[1] or [], self.token_text)
         return self._envelope(self.object_final, choices, usage)
 
     def _logprobs_obj(self, entries: list[LogprobEntry] | None, offset: int) -> dict[str, Any] | None:
@@ -126,27 +143,28 @@ class ChatFormat(_Format):
     object_final = "chat.completion"
 
     def __init__(self, *args: Any, want_logprobs: bool = False,
-                 tools: ToolPlan | None = None) -> None:
+                 tools: ToolPlan | None = None, prompt_logprobs: bool = False) -> None:
         super().__init__(*args)
         self._want_logprobs = want_logprobs
+        self._prompt_logprobs = prompt_logprobs  # the response's prompt_logprobs field
         self._tools = tools  # text is held back and parsed for calls when a choice ends
 
     def role_chunk(self, num_choices: int) -> dict[str, Any]:
         choices = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                    "finish_reason": None} for i in range(num_choices)]
+                    "finish_reason": None, "stop_reason": None} for i in range(num_choices)]
         return self._envelope(self.object_chunk, choices)
 
     def chunk(self, deltas: list[Delta]) -> dict[str, Any]:
         """Content deltas; finish reasons go in a separate last chunk (``finish_chunk``)."""
         choices = [{"index": d.index, "delta": {"content": d.text},
-                    "logprobs": self._logprobs_obj(d.logprobs), "finish_reason": None}
-                   for d in deltas if d.text or d.logprobs]
+                    "logprobs": self._logprobs_obj(d.logprobs), "finish_reason": None,
+                    "stop_reason": None} for d in deltas if d.text or d.logprobs]
         return self._envelope(self.object_chunk, choices)
 
     def finish_chunk(self, deltas: list[Delta]) -> dict[str, Any]:
         choices: list[dict[str, Any]] = [
-            {"index": d.index, "delta": {}, "logprobs": None, "finish_reason": d.finish_reason}
-            for d in deltas if d.finish_reason]
+            {"index": d.index, "delta": {}, "logprobs": None, "finish_reason": d.finish_reason,
+             "stop_reason": d.stop_reason} for d in deltas if d.finish_reason]
         return self._envelope(self.object_chunk, choices)
 
     def stream_chunks(self, deltas: list[Delta]) -> list[dict[str, Any]]:
@@ -155,14 +173,18 @@ class ChatFormat(_Format):
         out = [self.chunk(deltas), self.finish_chunk(deltas)]
         return [c for c in out if c["choices"]]
 
-    def final(self, usage: Usage) -> dict[str, Any]:
+    def final(self, usage: Usage, prompts: list[Prompt] | None = None) -> dict[str, Any]:
         choices = []
         for i in range(len(self._texts)):
             message, finish = self._message(i)
             choices.append({"index": i, "message": message,
                             "logprobs": self._logprobs_obj(self._logprobs[i]),
-                            "finish_reason": finish})
-        return self._envelope(self.object_final, choices, usage)
+                            "finish_reason": finish, "stop_reason": self._stop_reason[i]})
+        body = self._envelope(self.object_final, choices, usage)
+        if self._prompt_logprobs:
+            lps = prompts[0][1] if prompts else None
+            body["prompt_logprobs"] = prompt_logprobs_json(lps or [], self.token_text)
+        return body
 
     def _message(self, i: int) -> tuple[dict[str, Any], str | None]:
         """Choice ``i``'s message and finish reason, with its tool calls parsed out."""
@@ -192,9 +214,10 @@ class ChatFormat(_Format):
                 if part is not None:
                     out.append(self._envelope(self.object_chunk, [
                         {"index": d.index, "delta": part, "logprobs": None,
-                         "finish_reason": None}]))
+                         "finish_reason": None, "stop_reason": None}]))
             out.append(self._envelope(self.object_chunk, [
-                {"index": d.index, "delta": {}, "logprobs": None, "finish_reason": finish}]))
+                {"index": d.index, "delta": {}, "logprobs": None, "finish_reason": finish,
+                 "stop_reason": d.stop_reason}]))
         return out
 
     def _logprobs_obj(self, entries: list[LogprobEntry] | None) -> dict[str, Any] | None:

@@ -28,6 +28,7 @@ from ray.serve.handle import DeploymentHandle
 from engine.sampling_params import SamplingParams
 from serve_app.batcher import DynamicBatcher, EngineRequest
 from serve_app.config import AppConfig
+from serve_app.endpoints import RouterEndpoints, routes, system_fingerprint
 from serve_app.errors import APIError, install_handlers
 from serve_app.prompts import PromptProcessor
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest, parse_request
@@ -47,6 +48,7 @@ PREPARE_THREADS = 2  # threads that template and tokenize prompts, per Router re
 api = FastAPI(title="pagedserve", description="OpenAI-compatible LLM serving on Ray Serve.",
               docs_url=None, redoc_url=None, openapi_url=None)
 install_handlers(api)
+api.include_router(routes)  # /v1/models[/{id}], /tokenize, /detokenize, /version
 
 
 # Module-level helpers go above the class: serve.ingress snapshots the module's globals when it
@@ -57,7 +59,7 @@ def _response_id(prefix: str, request: Request) -> str:
 
 @serve.deployment(name="Router")
 @serve.ingress(api)
-class Router:
+class Router(RouterEndpoints):
     app: FastAPI  # the app Serve serves: set by serve.ingress's wrapper after __init__
 
     def __init__(self, worker: DeploymentHandle[Any], config: AppConfig) -> None:
@@ -108,15 +110,6 @@ class Router:
             raise APIError(503, "no Worker has its model loaded")
         return JSONResponse({"status": "ok"})
 
-    @api.get("/v1/models")
-    async def models(self, request: Request) -> JSONResponse:
-        self._authorize(request)
-        p = await self._ready()
-        card = {"id": p.model_name, "object": "model", "created": 0, "owned_by": "pagedserve",
-                "max_model_len": p.max_model_len, "dtype": p.dtype,
-                "quantization": p.quantization, "kv_cache_dtype": p.kv_cache_dtype}
-        return JSONResponse({"object": "list", "data": [card]})
-
     @api.get("/v1/stats")
     async def stats(self, request: Request) -> JSONResponse:
         """Router counters and every Worker replica's engine stats (with their sum)."""
@@ -137,8 +130,10 @@ class Router:
         p.check_size(len(req.prompts()), req.n, req.max_tokens, req.max_tokens_param)
         prompts, params, echo = await self._off_loop(p.prepare_completion, req)
         fmt = CompletionFormat(_response_id("cmpl", request), p.model_name, p.tokenizer,
-                               len(prompts) * req.n, n=req.n,
-                               want_logprobs=req.logprobs is not None, echo_texts=echo)
+                               len(prompts) * req.n, system_fingerprint(p), n=req.n,
+                               want_logprobs=req.logprobs is not None, echo_texts=echo,
+                               echo_logprobs=req.logprobs if req.echo else None,
+                               prompt_logprobs=req.prompt_logprobs is not None)
         return await self._run(p, req, prompts, params, fmt, req.logprobs, arrived)
 
     @api.post("/v1/chat/completions")
@@ -152,7 +147,8 @@ class Router:
         p.check_size(1, req.n, req.completion_limit(), req.max_tokens_param)
         ids, params, tools = await self._off_loop(p.prepare_chat, req)
         fmt = ChatFormat(_response_id("chatcmpl", request), p.model_name, p.tokenizer, req.n,
-                         want_logprobs=req.logprobs, tools=tools)
+                         system_fingerprint(p), want_logprobs=req.logprobs, tools=tools,
+                         prompt_logprobs=req.prompt_logprobs is not None)
         return await self._run(p, req, [ids], params, fmt, req.num_logprobs(), arrived)
 
     # ---- request flow ----------------------------------------------------------------------
@@ -188,7 +184,7 @@ class Router:
         try:
             async for deltas in stream.deltas():
                 fmt.collect(deltas)
-            return JSONResponse(fmt.final(stream.usage), headers=headers)
+            return JSONResponse(fmt.final(stream.usage, stream.prompt_logprobs), headers=headers)
         finally:
             self._finish(engine_reqs)
 

@@ -55,7 +55,8 @@ class RouterMetrics:
 
 
 HANDLERS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/stats",
-                      "/health"})
+                      "/health", "/tokenize", "/detokenize", "/version"})
+MODEL_CARD = "/v1/models/{id}"  # the handler label of every /v1/models/<id>
 
 
 class HTTPMetricsMiddleware:
@@ -89,11 +90,13 @@ class HTTPMetricsMiddleware:
 
 
 def _handler(scope: dict[str, Any]) -> str:
-    path = scope.get("path", "")
+    path: str = scope.get("path", "")
     root = scope.get("root_path", "")
     if root and path.startswith(root):
         path = path[len(root):]
-    return path if path in HANDLERS else "other"
+    if path in HANDLERS:
+        return path
+    return MODEL_CARD if path.startswith("/v1/models/") else "other"
 
 
 def install_http_metrics(app: Any, metrics: RouterMetrics) -> None:

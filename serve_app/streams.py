@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.detokenizer import TextStream
-from engine.outputs import Logprobs
+from engine.outputs import Logprobs, PromptLogprobs
 from serve_app.batcher import EngineRequest
 from serve_app.errors import APIError
 from serve_app.wire import AbortReason, DonePart, Part, TokenPart
@@ -30,6 +30,7 @@ class Delta:
     token_ids: list[int]
     finish_reason: str | None = None
     logprobs: list[LogprobEntry] | None = None
+    stop_reason: int | str | None = None  # the stop string or stop_token_ids id that ended it
 
 
 @dataclass
@@ -39,6 +40,7 @@ class _Choice:
     num_tokens: int = 0
     finish_reason: str | None = None
     stopped_on_string: bool = False  # the engine does not know: it keeps generating
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -70,6 +72,9 @@ class ResponseStream:
         self._choices: dict[tuple[int, int], _Choice] = {}
         self._pos = {id(r): p for p, r in enumerate(self.requests)}
         self._stopped: set[int] = set()  # prompts whose choices all stopped on a string
+        # per prompt: its token ids and, when asked for, their logprobs (at its DonePart)
+        self.prompt_logprobs: list[tuple[list[int], PromptLogprobs | None]] = [
+            (r.prompt_token_ids, None) for r in self.requests]
         self.usage.prompt_tokens = sum(len(r.prompt_token_ids) for r in self.requests)
         self.n = self.requests[0].params.n
         for p, r in enumerate(self.requests):
@@ -111,6 +116,7 @@ class ResponseStream:
             return 0
         if isinstance(part, DonePart):
             self.usage.cached_tokens += part.num_cached_tokens
+            self.prompt_logprobs[p] = (self.requests[p].prompt_token_ids, part.prompt_logprobs)
             out.extend(self._close_open_choices(p))
             return 1
         raise APIError(part.status, part.message)
@@ -124,13 +130,17 @@ class ResponseStream:
         self.usage.completion_tokens += len(token_ids)
         text, stop_str = choice.text.add(token_ids)
         if stop_str is not None:
-            choice.finish_reason = "stop"
+            choice.finish_reason, choice.stop_reason = "stop", stop_str
             choice.stopped_on_string = finish is None
         elif finish is not None:
             text += choice.text.finish()
             choice.finish_reason = "length" if finish == "length" else "stop"
+            if finish == "stop" and token_ids and \
+                    token_ids[-1] in self.requests[p].params.stop_token_ids:
+                choice.stop_reason = token_ids[-1]  # the engine's rule: EOS is no stop_reason
         entries = _entries(token_ids, part.logprobs, self.num_logprobs)
-        return Delta(choice.index, text, list(token_ids), choice.finish_reason, entries)
+        return Delta(choice.index, text, list(token_ids), choice.finish_reason, entries,
+                     choice.stop_reason)
 
     def _all_stopped(self, p: int) -> bool:
         """Every choice is done here, and some only here (on a stop string)."""
@@ -160,6 +170,7 @@ def _merge(deltas: list[Delta]) -> list[Delta]:
         prev.text += d.text
         prev.token_ids += d.token_ids
         prev.finish_reason = d.finish_reason or prev.finish_reason
+        prev.stop_reason = d.stop_reason if d.stop_reason is not None else prev.stop_reason
         if d.logprobs is not None:
             prev.logprobs = (prev.logprobs or []) + d.logprobs
     return list(by_index.values())

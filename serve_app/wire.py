@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Literal, NamedTuple, TypedDict
 
-from engine.outputs import Logprobs
+from engine.outputs import Logprobs, PromptLogprobs
 from engine.sampling_params import SamplingParams
 from engine.stats import AsyncEngineStats
 
@@ -66,6 +66,7 @@ class DonePart(NamedTuple):
     key: int | str
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens found in the prefix cache
+    prompt_logprobs: PromptLogprobs | None = None  # when the request asked for them
 
 
 class ErrorPart(NamedTuple):
@@ -138,6 +139,8 @@ class ModelInfo(TypedDict):
     quantization: str | None  # the weights' format ("int8", "compressed-tensors:int8-w8a8",
     #                           ...), or None (in dtype)
     kv_cache_dtype: str  # what the KV cache holds: "fp8_e4m3" or the dtype's name
+    default_sampling: dict[str, Any]  # for fields a request leaves unset: the
+    #                  generation config's (SamplingParams' names: temperature, max_tokens, ...)
     tokenizer: Any  # the model's Hugging Face tokenizer
 
 

@@ -47,6 +47,7 @@ class ServingEngine(EngineStatsSource, Protocol):
     dtype: Any  # the activations' torch dtype
     quantization: str | None  # the weights' format ("int8", ...); None: in dtype
     kv_cache_dtype: str  # what the KV cache holds: "fp8_e4m3" or the dtype's name
+    default_sampling: dict[str, Any]  # generation_config.json's defaults (SamplingParams names)
     tokenizer: Any
     config: EngineConfig
 
@@ -140,18 +141,18 @@ class Worker:
     async def _pump(self, key: int | str, req: wire.WorkerRequest,
                     queue: asyncio.Queue[wire.Part]) -> None:
         put = queue.put_nowait
-        num_prompt_tokens = len(req.prompt_token_ids)
-        cached = 0
+        cached, prompt_logprobs = 0, None
         try:
             outputs = self.engine.generate(req.request_id, req.prompt_token_ids, req.params)
             async for out in self.metrics.track(outputs):
                 cached = out.num_cached_tokens
+                prompt_logprobs = out.prompt_logprobs or prompt_logprobs  # (sent once)
                 for co in out.outputs:
                     if co.token_ids or co.finish_reason:
                         put(wire.TokenPart(key, co.index, co.token_ids, co.finish_reason,
                                            co.logprobs))
         except asyncio.CancelledError:  # aborted (control call) or the batch call was cancelled
-            put(wire.DonePart(key, num_prompt_tokens, cached))
+            put(wire.DonePart(key, len(req.prompt_token_ids), cached))
             raise
         except ValueError as exc:
             put(wire.ErrorPart(key, 400, str(exc)))
@@ -160,7 +161,7 @@ class Worker:
             logger.exception("request %s failed", req.request_id)
             put(wire.ErrorPart(key, 500, f"engine error: {type(exc).__name__}: {exc}"))
             return
-        put(wire.DonePart(key, num_prompt_tokens, cached))
+        put(wire.DonePart(key, len(req.prompt_token_ids), cached, prompt_logprobs))
 
     # ---- control calls (routed to the named replica by WorkerRequestRouter) ----------------
 
@@ -188,6 +189,7 @@ class Worker:
             "dtype": str(self.engine.dtype).removeprefix("torch."),
             "quantization": self.engine.quantization,
             "kv_cache_dtype": self.engine.kv_cache_dtype,
+            "default_sampling": self.engine.default_sampling,
             "tokenizer": self.engine.tokenizer,
         }
 

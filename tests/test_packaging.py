@@ -66,6 +66,12 @@ def test_grafana_dashboard_json_is_in_the_wheel(wheel):
     assert "deploy/grafana/pagedserve.json" in wheel.namelist()
 
 
+def test_the_pagedserve_command_is_in_the_wheel(wheel):
+    (entry_points,) = [n for n in wheel.namelist() if n.endswith(".dist-info/entry_points.txt")]
+    assert wheel.read(entry_points).decode().split() == [
+        "[console_scripts]", "pagedserve", "=", "serve_app.cli:main"]
+
+
 def test_every_package_and_nothing_else_is_in_the_wheel(wheel):
     inits = {in_checkout(p) for name in PACKAGES for p in (ROOT / name).rglob("__init__.py")}
     names = set(wheel.namelist())

@@ -4,7 +4,8 @@ The batch's work is done in a few tensor ops; per-row Python runs only for penal
 rows. Sampling uses the exponential race (argmax of probs / Exp(1) noise), so a seeded row draws
 its noise from its own generator and gets the same tokens whatever else is in the batch.
 Logprobs are those of the raw model distribution (log-softmax of the logits before any
-processing), as vLLM returns by default.
+processing), as vLLM returns by default; so are prompt logprobs, which the sampler writes onto
+their requests (``Request.prompt_logprobs``).
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.outputs import Logprobs
+from engine.layers.logits_processors import apply_request_masks
+from engine.outputs import Logprob, Logprobs
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.structured_output import GrammarState
 from kernels import ops
+
+PROMPT_ROWS_AT_ONCE = 512  # prompt positions scored together (their float32 log-softmax)
 
 
 @dataclass
@@ -36,7 +40,15 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self.row_generators.pop(request_id, None)
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, reqs: list[Request],
+                 prompt_rows: Sequence[tuple[Request, int]] = ()) -> SamplerOutput:
+        """Sample one token for each of ``reqs`` from the first ``len(reqs)`` rows of ``logits``;
+        the rows after them score prompt tokens for ``prompt_rows`` (``batch_layout``)."""
+        if prompt_rows:
+            add_prompt_logprobs(logits[len(reqs):], prompt_rows)
+            logits = logits[: len(reqs)]
+        if not reqs:
+            return SamplerOutput([], [])
         params = [r.params for r in reqs]
         want_logprobs = any(p.logprobs is not None for p in params)
         penalties = any(p.needs_penalties for p in params)
@@ -57,6 +69,7 @@ class Sampler:
             logits = logits.clone()
             self._apply_penalties(logits, reqs)
         self._mask_early_stop(logits, reqs)
+        apply_request_masks(logits, reqs)
         if all_greedy:
             # max(dim).indices: the first maximum like argmax, and 4x faster on bfloat16 rows
             tokens = logits.max(dim=-1).indices
@@ -140,6 +153,36 @@ class Sampler:
                 entry.setdefault(top_ids[i][j], top_vals[i][j])
             out.append(entry)
         return out
+
+
+def add_prompt_logprobs(logits: torch.Tensor, prompt_rows: Sequence[tuple[Request, int]],
+                        ) -> None:
+    """Score prompt tokens: ``logits`` [rows, vocab] holds, for each ``(request, count)`` of
+    ``prompt_rows`` in turn, the rows of its next ``count`` unscored prompt positions; position
+    p's row scores prompt token p + 1. Appends to each ``Request.prompt_logprobs``: the token's
+    logprob and rank, and the top-N (its ``prompt_logprobs``) with ranks 1..N."""
+    targets = [t for r, n in prompt_rows
+               for t in r.all_token_ids[len(r.prompt_logprobs) : len(r.prompt_logprobs) + n]]
+    k = max(r.params.prompt_logprobs or 0 for r, _ in prompt_rows)
+    chosen, ranks, vals, ids = [], [], [], []
+    for lo in range(0, len(targets), PROMPT_ROWS_AT_ONCE):  # float32 temporaries stay small
+        raw = torch.log_softmax(logits[lo : lo + PROMPT_ROWS_AT_ONCE].float(), dim=-1)
+        target_t = torch.tensor(targets[lo : lo + PROMPT_ROWS_AT_ONCE], device=raw.device)
+        lp = raw.gather(1, target_t.unsqueeze(1))
+        chosen += lp.squeeze(1).tolist()
+        ranks += ((raw > lp).sum(dim=-1) + 1).tolist()
+        top = raw.topk(k, dim=-1)
+        vals += top.values.tolist()
+        ids += top.indices.tolist()
+    row = 0
+    for r, n in prompt_rows:
+        num = r.params.prompt_logprobs or 0
+        for i in range(row, row + n):
+            entry = {targets[i]: Logprob(chosen[i], ranks[i])}
+            for j in range(num):
+                entry.setdefault(ids[i][j], Logprob(vals[i][j], j + 1))
+            r.prompt_logprobs.append(entry)
+        row += n
 
 
 def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

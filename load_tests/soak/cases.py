@@ -69,7 +69,7 @@ def _out_of_range(limits: Limits) -> list[BadCase]:
         BadCase("temperature_high", j(prompt="hi", temperature=5), 400),
         BadCase("temperature_nan", b'{"prompt": "hi", "temperature": NaN}', 400),
         BadCase("top_p_zero", j(prompt="hi", top_p=0), 400),
-        BadCase("top_k_zero", j(prompt="hi", top_k=0), 400),
+        BadCase("top_k_below_off", j(prompt="hi", top_k=-2), 400),
         BadCase("n_zero", j(prompt="hi", n=0), 400),
         BadCase("n_over_max", j(prompt="hi", n=limits.max_n + 1), 400),
         BadCase("max_tokens_negative", j(prompt="hi", max_tokens=-1), 400),
@@ -85,7 +85,7 @@ def _out_of_range(limits: Limits) -> list[BadCase]:
         BadCase("logit_bias", j(prompt="hi", logit_bias={"5": 10}), 400),
         BadCase("stream_options_without_stream", j(prompt="hi", stream_options={
             "include_usage": True}), 400),
-        BadCase("echo_with_logprobs", j(prompt="hi", echo=True, logprobs=1), 400),
+        BadCase("prompt_logprobs_streamed", j(prompt="hi", prompt_logprobs=1, stream=True), 400),
     ]
 
 
@@ -118,6 +118,8 @@ def _valid_unusual(limits: Limits) -> list[BadCase]:
     j = functools.partial(_json, limits)
     return [
         BadCase("top_k_over_vocab", j(prompt="hi", max_tokens=2, top_k=10 ** 9), 200),
+        BadCase("top_k_zero_is_off", j(prompt="hi", max_tokens=2, top_k=0), 200),
+        BadCase("echo_with_logprobs", j(prompt="hi", echo=True, logprobs=1, max_tokens=0), 200),
         BadCase("seed_negative", j(prompt="hi", max_tokens=2, temperature=1, seed=-5), 200),
         BadCase("seed_max", j(prompt="hi", max_tokens=2, temperature=1, seed=2 ** 63 - 1), 200),
         BadCase("unicode_prompt", j(prompt="h\u00e9llo \u4e16\u754c \U0001f600", max_tokens=2), 200),

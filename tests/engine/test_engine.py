@@ -150,7 +150,7 @@ def test_eos_from_generation_config_stops_unless_ignored(tmp_path, reference):
     out = llm.generate(as_inputs([PROMPTS[3]]), SamplingParams(max_tokens=24, temperature=0),
                        use_tqdm=False)[0].outputs[0]
     assert out.token_ids == reference[3][: reference[3].index(eos) + 1]
-    assert out.finish_reason == "stop"
+    assert out.finish_reason == "stop" and out.stop_reason is None  # as vLLM: EOS gives none
     out = llm.generate(as_inputs([PROMPTS[3]]), GREEDY, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == reference[3]
 
@@ -199,8 +199,11 @@ def test_bad_prompts_raise_and_leave_the_engine_serving(llm, reference, prompt, 
     (dict(temperature=-0.5), r"temperature must be in \[0, 100\]"),
     (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
     (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
-    (dict(max_tokens=0), r"max_tokens must be in \[1, 2147483647\]"),
-    (dict(top_k=0), "top_k must be -1"),
+    (dict(max_tokens=-1), r"max_tokens must be in \[0, 2147483647\]"),
+    (dict(top_k=-2), r"top_k must be in \[-1, 2147483647\]"),
+    (dict(prompt_logprobs=21), r"prompt_logprobs must be in \[0, 20\]"),
+    (dict(bad_words=[" "]), "bad_words must be a list of at most 128 non-blank strings"),
+    (dict(allowed_token_ids=[-1]), "allowed_token_ids must be a non-empty list of token ids"),
     (dict(n=0), r"n must be in \[1, 1024\]"),
     (dict(logprobs=50), r"logprobs must be in \[0, 20\]"),
     (dict(presence_penalty=3), "presence_penalty"),

@@ -276,6 +276,79 @@ def test_n_echo_and_logprobs(url):
     assert all(len(t.top_logprobs) == 2 for t in chat.choices[0].logprobs.content)
 
 
+def test_echo_logprobs_and_prompt_logprobs_match_offline(url, offline):
+    """lm-evaluation-harness's loglikelihood request (echo, logprobs 1, max_tokens 0) and
+    vLLM's prompt_logprobs, against the offline engine's prompt logprobs."""
+    from engine import SamplingParams
+
+    prompt = PROMPTS[2]
+    body = {"prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 0, "temperature": 0.0}
+    resp = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    choice, usage = resp.json()["choices"][0], resp.json()["usage"]
+    ref = offline.generate(prompt, SamplingParams(max_tokens=0, prompt_logprobs=1),
+                           use_tqdm=False)[0]
+    ids, ref_lps, tok = ref.prompt_token_ids, ref.prompt_logprobs, offline.get_tokenizer()
+    texts = [tok.decode([t]) for t in ids]
+    assert (choice["text"], choice["finish_reason"], usage["completion_tokens"]) == \
+        (prompt, "length", 0)
+    lp = choice["logprobs"]
+    assert lp["tokens"] == texts
+    assert lp["text_offset"] == [sum(map(len, texts[:i])) for i in range(len(ids))]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx(
+        [e[t].logprob for t, e in zip(ids[1:], ref_lps[1:], strict=True)], abs=1e-4)
+    for top, t, e in zip(lp["top_logprobs"][1:], ids[1:], ref_lps[1:], strict=True):
+        assert top == pytest.approx({tok.decode([i]): v.logprob for i, v in e.items()
+                                     if i == t or v.rank <= 1}, abs=1e-4)
+    out = _client(url).completions.create(model=None, prompt=ids, max_tokens=3,
+                                          temperature=0.0, extra_body={"prompt_logprobs": 1})
+    got = out.choices[0].model_extra["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids)
+    for entry, e in zip(got[1:], ref_lps[1:], strict=True):
+        assert set(entry) == {str(i) for i in e}
+        for i, v in e.items():
+            assert entry[str(i)]["rank"] == v.rank
+            assert entry[str(i)]["decoded_token"] == tok.decode([i])
+            assert entry[str(i)]["logprob"] == pytest.approx(v.logprob, abs=1e-4)
+    chat = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "prompt_logprobs": 0})
+    body = chat.json()
+    assert body["prompt_logprobs"][0] is None
+    assert len(body["prompt_logprobs"]) == body["usage"]["prompt_tokens"]
+    assert all(len(e) == 1 and next(iter(e.values()))["rank"] >= 1
+               for e in body["prompt_logprobs"][1:])
+
+
+def test_vllm_sampling_fields_match_offline(url, offline):
+    """top_k 0, allowed_token_ids, bad_words and truncate_prompt_tokens give the offline
+    engine's tokens; cache_salt keeps prefix caches apart."""
+    from engine import SamplingParams
+
+    client = _client(url)
+    extra = {"top_k": 0, "allowed_token_ids": [300, 301, 302, 400, 401], "bad_words": ["x"],
+             "truncate_prompt_tokens": 6, "ignore_eos": True}
+    prompt = list(range(20, 40))
+    out = client.completions.create(model=None, prompt=prompt, max_tokens=6, temperature=0.0,
+                                    logprobs=0, extra_body=extra)
+    ref = offline.generate({"prompt_token_ids": prompt}, SamplingParams(
+        max_tokens=6, temperature=0.0, **extra), use_tqdm=False)[0]
+    assert out.usage.prompt_tokens == 6 and ref.prompt_token_ids == prompt[-6:]
+    tok = offline.get_tokenizer()
+    assert out.choices[0].logprobs.tokens == [tok.decode([t]) for t in ref.outputs[0].token_ids]
+    assert out.choices[0].text == ref.outputs[0].text
+    assert len(ref.outputs[0].token_ids) == 6
+    assert set(ref.outputs[0].token_ids) <= set(extra["allowed_token_ids"])
+    salted = list(range(500, 600))  # 6 full blocks of 16 to reuse; long enough for affinity
+    cached, replicas = [], set()
+    for salt in ("a", "a", "b"):
+        resp = httpx.post(f"{url}/v1/completions", json={
+            "prompt": salted, "max_tokens": 1, "cache_salt": salt}, timeout=60)
+        cached.append(resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+        replicas.add(resp.headers["x-pagedserve-replica"])
+    assert (cached, len(replicas)) == ([0, 96, 0], 1)
+
+
 # ---- concurrency -----------------------------------------------------------------------------
 
 async def _stream_completion(client: httpx.AsyncClient, prefix: str, max_tokens: int,
@@ -381,6 +454,13 @@ def test_prefix_affinity_follows_the_cached_prompt(url):
      "messages.0.role"),
     ("/v1/chat/completions", b'{"messages": []}', 400, "messages"),
     ("/v1/completions", b'{"prompt": "hi", "model": "gpt-17"}', 404, "model"),
+    ("/v1/completions", b'{"prompt": "hi", "use_beam_search": true}', 400, "use_beam_search"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], '
+     b'"guided_regex": "a+"}', 400, "guided_regex"),
+    ("/v1/completions", b'{"prompt": "hi", "allowed_token_ids": [5, 100000]}', 400,
+     "allowed_token_ids"),
+    ("/v1/completions", b'{"prompt": "hi", "prompt_logprobs": 1, "stream": true}', 400,
+     "prompt_logprobs"),
 ])
 def test_invalid_requests(url, path, body, status, param):
     resp = httpx.post(f"{url}{path}", content=body, headers={"content-type": "application/json"})
@@ -591,3 +671,149 @@ def test_tool_calls_through_the_client(url, model_path):
     auto = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages,
                                                           "tools": [TOOL]})
     assert "tool_call_parser" in _error(auto, 400)["message"]
+
+
+# ---- vLLM's small endpoints, system_fingerprint and stop_reason ---------------------------------
+
+def test_tokenize_detokenize_version_and_model_by_id(url, model_path, offline):
+    from importlib import metadata
+
+    tok = offline.get_tokenizer()
+    text = "Hello, my name is"
+    ids = tok(text).input_ids
+    assert httpx.post(f"{url}/tokenize", json={"model": model_path, "prompt": text}).json() == \
+        {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids, "token_strs": None}
+    bare = tok(text, add_special_tokens=False).input_ids
+    assert bare != ids  # the tokenizer adds BOS
+    assert httpx.post(f"{url}/tokenize", json={"prompt": text, "add_special_tokens": False,
+                                               "return_token_strs": True}).json() == \
+        {"count": len(bare), "max_model_len": MAX_MODEL_LEN, "tokens": bare,
+         "token_strs": tok.convert_ids_to_tokens(bare)}
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    chat_ids = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                   add_special_tokens=False).input_ids
+    resp = httpx.post(f"{url}/tokenize", json={"messages": messages})
+    assert resp.json()["tokens"] == chat_ids
+    chat = _client(url).chat.completions.create(model=None, messages=messages, max_tokens=1)
+    assert chat.usage.prompt_tokens == len(chat_ids)  # the ids a chat request sends
+    # errors: the same 404 as the other endpoints; 400s naming the field
+    wrong = httpx.post(f"{url}/tokenize", json={"model": "gpt-17", "prompt": "x"})
+    assert _error(wrong, 404) == _error(httpx.post(f"{url}/v1/completions", json={
+        "model": "gpt-17", "prompt": "x"}), 404)
+    assert _error(wrong, 404)["code"] == "model_not_found"
+    both = httpx.post(f"{url}/tokenize", json={"prompt": "x", "messages": messages})
+    assert _error(both, 400)["param"] == "prompt"
+    assert _error(httpx.post(f"{url}/tokenize", json={"prompt": 5}), 400)["param"] == "prompt"
+    assert httpx.post(f"{url}/detokenize", json={"model": model_path, "tokens": ids}).json() == \
+        {"prompt": tok.decode(ids)}
+    vocab = offline.engine.vocab_size
+    outside = httpx.post(f"{url}/detokenize", json={"tokens": [5, 10**6]})
+    assert _error(outside, 400) == {
+        "message": f"tokens: token id 1000000 is outside the vocabulary [0, {vocab})",
+        "type": "invalid_request_error", "param": "tokens", "code": None}
+    assert _error(httpx.post(f"{url}/detokenize", json={"tokens": [-1]}), 400)["param"] == \
+        "tokens.0"
+    assert httpx.get(f"{url}/version").json() == {"version": metadata.version("pagedserve")}
+    # one model by id: the list's object; another id is OpenAI's 404
+    client = _client(url)
+    assert client.models.retrieve(model_path) == client.models.list().data[0]
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-17")
+    assert missing.value.body["code"] == "model_not_found"
+    assert _error(httpx.get(f"{url}/v1/models/gpt-17"), 404) == _error(wrong, 404)
+    # the API key guards them as every route but /health
+    for method, path in (("GET", "/version"), ("GET", f"/v1/models/{model_path}"),
+                         ("POST", "/tokenize"), ("POST", "/detokenize")):
+        resp = httpx.request(method, f"{url}/guarded{path}", json={"prompt": "x"})
+        assert _error(resp, 401)["code"] == "invalid_api_key", path
+
+
+def test_system_fingerprint_and_stop_reason(url, model_path, offline):
+    from engine import SamplingParams
+    from serve_app.endpoints import _fingerprint, pagedserve_version
+
+    fingerprint = _fingerprint(pagedserve_version(), model_path, "float32", None, "float32")
+    client = _client(url)
+    tok = offline.get_tokenizer()
+    messages = [{"role": "user", "content": "Say something"}]
+    ids = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+              add_special_tokens=False).input_ids
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    (full,) = offline.generate([ids], greedy, use_tqdm=False)
+    text = full.outputs[0].text
+    start = next(i for i in range(2, len(text) - 3)
+                 if text.find(text[i:i + 3]) == i and text[i:i + 3].strip())
+    stop = text[start:start + 3]
+    resp = client.chat.completions.create(model=None, messages=messages, max_tokens=24,
+                                          temperature=0, stop=[stop],
+                                          extra_body={"ignore_eos": True})
+    assert resp.system_fingerprint == fingerprint
+    choice = resp.choices[0]
+    assert (choice.message.content, choice.finish_reason, choice.model_extra["stop_reason"]) == \
+        (text[:start], "stop", stop)
+    # a stop token id: the id, as the offline engine reports it
+    stop_id = full.outputs[0].token_ids[4]  # it stops at its first occurrence
+    (want,) = offline.generate([ids], SamplingParams(temperature=0, max_tokens=24,
+                                                     ignore_eos=True, stop_token_ids=[stop_id]),
+                               use_tqdm=False)
+    assert want.outputs[0].stop_reason == stop_id
+    chunks = list(client.chat.completions.create(
+        model=None, messages=messages, max_tokens=24, temperature=0, stream=True,
+        extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]}))
+    assert {c.system_fingerprint for c in chunks} == {fingerprint}
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.outputs[0].text
+    assert [(c.choices[0].finish_reason, c.choices[0].model_extra["stop_reason"])
+            for c in chunks][-1] == ("stop", stop_id)
+    assert all(c.choices[0].model_extra["stop_reason"] is None for c in chunks[:-1])
+    # completions: the length limit is no stop_reason; the same fingerprint
+    done = client.completions.create(model=None, prompt="Hello", max_tokens=3, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert done.system_fingerprint == fingerprint
+    assert (done.choices[0].finish_reason, done.choices[0].model_extra["stop_reason"]) == \
+        ("length", None)
+    (hello,) = offline.generate(["Hello"], greedy, use_tqdm=False)
+    hello_stop = hello.outputs[0].token_ids[3]
+    streamed = list(client.completions.create(model=None, prompt="Hello", max_tokens=24,
+                                              temperature=0, stream=True,
+                                              extra_body={"stop_token_ids": [hello_stop],
+                                                          "ignore_eos": True}))
+    assert {c.system_fingerprint for c in streamed} == {fingerprint}
+    assert (streamed[-1].choices[0].finish_reason,
+            streamed[-1].choices[0].model_extra["stop_reason"]) == ("stop", hello_stop)
+    # another deployment configuration (int8 weights, fp8 KV cache): another fingerprint
+    guarded = _client(url, "/guarded", API_KEY).completions.create(model=None, prompt="Hi",
+                                                                   max_tokens=1)
+    assert guarded.system_fingerprint == _fingerprint(pagedserve_version(), model_path,
+                                                      "float32", "int8", "fp8_e4m3")
+    assert guarded.system_fingerprint != fingerprint
+
+
+def test_chat_template_options_reach_the_template(url, offline):
+    """continue_final_message and chat_template_kwargs through HTTP: the prompt the template
+    renders, continued as the offline engine continues it; their 400s."""
+    from engine import SamplingParams
+
+    tok = offline.get_tokenizer()
+    messages = [{"role": "user", "content": "Name a city."},
+                {"role": "assistant", "content": "Paris is"}]
+    ids = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                      continue_final_message=True),
+              add_special_tokens=False).input_ids
+    assert ids[-2:] == tok("Paris is", add_special_tokens=False).input_ids[-2:]  # no end of turn
+    (exp,) = offline.generate([ids], SamplingParams(temperature=0, max_tokens=8,
+                                                    ignore_eos=True), use_tqdm=False)
+    resp = _client(url).chat.completions.create(
+        model=None, messages=messages, max_tokens=8, temperature=0,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True,
+                    "chat_template_kwargs": {"enable_thinking": False}, "ignore_eos": True})
+    assert resp.choices[0].message.content == exp.outputs[0].text
+    assert resp.usage.prompt_tokens == len(ids)
+    both = httpx.post(f"{url}/v1/chat/completions",
+                      json={"messages": messages, "continue_final_message": True})
+    assert _error(both, 400)["param"] == "continue_final_message"
+    reserved = httpx.post(f"{url}/v1/chat/completions",
+                          json={"messages": messages, "chat_template_kwargs": {"tokenize": True}})
+    err = _error(reserved, 400)
+    assert (err["param"], err["message"].split(" (got ")[0]) == (
+        "chat_template_kwargs", "chat_template_kwargs: must not set tokenize (set through the "
+        "request's own fields or by the server)")

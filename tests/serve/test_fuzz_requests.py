@@ -47,7 +47,10 @@ COMMON = ["model", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop"
           "stop_token_ids", "stream", "stream_options", "presence_penalty",
           "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens",
           "skip_special_tokens", "include_stop_str_in_output", "user", "logit_bias",
-          "max_tokens", "response_format", "structured_outputs"]
+          "max_tokens", "response_format", "structured_outputs",
+          # vLLM's: implemented, then refused unless their value changes nothing
+          "prompt_logprobs", "truncate_prompt_tokens", "allowed_token_ids", "bad_words",
+          "cache_salt", "best_of", "use_beam_search", "guided_json", "length_penalty"]
 FIELDS = {
     "completions": COMMON + ["prompt", "logprobs", "echo", "suffix"],
     "chat": COMMON + ["messages", "max_completion_tokens", "logprobs", "top_logprobs",
@@ -149,10 +152,40 @@ def test_field_errors_across_fields_name_the_field(processor):
         ("completions", {"top_k": 2 ** 63}, "top_k"),
         ("completions", {"temperature": math.nan}, "temperature"),
         ("completions", {"stop": ["x" * 1025]}, "stop"),
+        ("completions", {"use_beam_search": True}, "use_beam_search"),
+        ("completions", {"best_of": 2}, "best_of"),
+        ("chat", {"guided_json": {"type": "object"}}, "guided_json"),
+        ("chat", {"echo": True}, "echo"),
+        ("completions", {"top_logprobs": 2}, "top_logprobs"),
+        ("completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+        ("completions", {"echo": True, "logprobs": 1, "stream": True}, "echo"),
+        ("completions", {"allowed_token_ids": [5, 768]}, "allowed_token_ids"),
+        ("chat", {"allowed_token_ids": []}, "allowed_token_ids"),
+        ("completions", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ("chat", {"cache_salt": ""}, "cache_salt"),
+        ("completions", {"bad_words": [" "]}, "bad_words"),
+        ("chat", {"add_special_tokens": True}, "add_special_tokens"),
+        ("completions", {"length_penalty": 0.5}, "length_penalty"),
     ]:
         with pytest.raises(APIError) as err:
             _handle(processor, endpoint, json.dumps({**BASE[endpoint], **extra}).encode())
         assert (err.value.status, err.value.param) == (400, param), err.value.message
+
+
+def test_vllm_fields_reach_the_engine_params(processor):
+    body = {"prompt": "word " * 400, "truncate_prompt_tokens": 10, "best_of": 1, "top_k": 0,
+            "use_beam_search": False, "allowed_token_ids": [5, 6], "bad_words": ["x"],
+            "cache_salt": "tenant-1", "echo": True, "logprobs": 2, "prompt_logprobs": 1,
+            "max_tokens": 0, "unknown_field": 1, "add_special_tokens": True, "guided_json": None}
+    prompts, params = _handle(processor, "completions", json.dumps(body).encode())
+    tok = processor.tokenizer
+    assert prompts == [tok("word " * 400).input_ids[-10:]]
+    sp = params[0]
+    assert (sp.top_k, sp.max_tokens, sp.prompt_logprobs, sp.logprobs) == (0, 0, 2, 2)
+    assert (sp.truncate_prompt_tokens, sp.allowed_token_ids, sp.bad_words, sp.cache_salt) == (
+        10, [5, 6], ["x"], "tenant-1")
+    chat = {"messages": [{"role": "user", "content": "Hi " * 300}], "truncate_prompt_tokens": 5}
+    assert [len(ids) for ids in _handle(processor, "chat", json.dumps(chat).encode())[0]] == [5]
 
 
 def test_fast_encoding_equals_the_tokenizer_and_refuses_long_prompts_by_count(processor):

@@ -183,6 +183,8 @@ def test_router_batches_rejections_and_http_statuses(recorded):
     ("/v1/completions", "", "/v1/completions"),
     ("/guarded/v1/chat/completions", "/guarded", "/v1/chat/completions"),
     ("/v1/unknown", "", "other"),
+    ("/tokenize", "", "/tokenize"),
+    ("/v1/models/org/name", "", "/v1/models/{id}"),
 ])
 def test_handler_label_is_bounded(path, root, handler):
     assert router_metrics._handler({"path": path, "root_path": root}) == handler

@@ -1,0 +1,95 @@
+"""vLLM's per-request logits processors beside the sampler's own: ``allowed_token_ids`` (only
+those ids can be sampled) and ``bad_words`` (their token sequences are never generated), with
+the checks of these fields and the bad words' tokenization."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.request import Request
+
+MAX_BAD_WORDS = 128
+MAX_WORD_LEN = 1024  # characters of one bad word, or of a cache salt
+_INT32_MAX = 2 ** 31 - 1
+
+
+def _fail(name: str, rule: str, value: object) -> None:
+    text = repr(value)
+    raise ValueError(f"{name} {rule}, got {text if len(text) <= 80 else text[:77] + '...'}")
+
+
+def _is_id(t: object) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _INT32_MAX
+
+
+def validate_extras(p: Any) -> None:
+    """Check ``allowed_token_ids``, ``bad_words`` and ``cache_salt`` of SamplingParams ``p``
+    (``ValueError`` naming the field, as ``SamplingParams.validate``'s other checks)."""
+    allowed = p.allowed_token_ids
+    if allowed is not None and not (isinstance(allowed, list) and allowed
+                                    and all(map(_is_id, allowed))):
+        _fail("allowed_token_ids", f"must be a non-empty list of token ids in [0, {_INT32_MAX}]",
+              allowed)
+    words = p.bad_words
+    if words is not None and not (isinstance(words, list) and len(words) <= MAX_BAD_WORDS and all(
+            isinstance(w, str) and w.strip() and len(w) <= MAX_WORD_LEN for w in words)):
+        _fail("bad_words", f"must be a list of at most {MAX_BAD_WORDS} non-blank strings of at "
+              f"most {MAX_WORD_LEN} characters", words)
+    salt = p.cache_salt
+    if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_WORD_LEN):
+        _fail("cache_salt", f"must be a non-empty string of at most {MAX_WORD_LEN} characters",
+              salt)
+
+
+def check_vocab_ids(p: Any, vocab_size: int) -> None:
+    """Token ids of ``p`` index the logits: each must be below ``vocab_size`` (one bad id would
+    fail the whole step)."""
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        outside = [t for t in getattr(p, name) or () if t >= vocab_size]
+        if outside:
+            raise ValueError(f"{name} must be in [0, {vocab_size - 1}], got {outside[:5]}")
+
+
+def bad_words_ids(tokenizer: Any, words: Sequence[str] | None) -> list[list[int]]:
+    """Each bad word's token ids, as vLLM tokenizes them: the word without leading spaces,
+    and, where it tokenizes differently into as many tokens, the word after a space (its
+    spelling inside a text)."""
+    out: list[list[int]] = []
+    for word in words or ():
+        bare = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        out.append(bare)
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return out
+
+
+def banned_tokens(bad_words: list[list[int]], output: list[int]) -> list[int]:
+    """The tokens that would complete a bad word now: a one-token word's always, a longer
+    word's last token when the output ends with the rest of the word."""
+    banned = []
+    for word in bad_words:
+        prefix = word[:-1]
+        if not prefix or output[-len(prefix):] == prefix:
+            banned.append(word[-1])
+    return banned
+
+
+def apply_request_masks(logits: torch.Tensor, reqs: list[Request]) -> None:
+    """In place on ``logits`` [rows, vocab]: forbid every token outside a row's
+    ``allowed_token_ids`` and every token that would complete one of its bad words."""
+    for i, r in enumerate(reqs):
+        allowed = r.params.allowed_token_ids
+        if allowed is not None:
+            ids = torch.tensor(allowed, device=logits.device)
+            keep = logits[i, ids]
+            logits[i] = float("-inf")
+            logits[i, ids] = keep
+        if r.bad_words:
+            banned = banned_tokens(r.bad_words, r.output_token_ids)
+            if banned:
+                logits[i, banned] = float("-inf")
