@@ -17,25 +17,26 @@ from engine.layers.activation import GeluAndMul
 from engine.layers.attention import Attention
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import (
-    LinearBase,
-    MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
-    quantize_linears,
 )
 from engine.layers.norm import GemmaRMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.hf_config import HFConfig
 from engine.models.layer_types import check_layer_types, set_sliding_windows, sliding_windows
+from engine.models.llama import LlamaAttention, LlamaMLP
 from engine.models.registry import CausalLM
 
 Rope = tuple[float, dict[str, Any]]  # (base frequency, rope parameters)
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
-class GemmaAttention(nn.Module):
+class GemmaAttention(LlamaAttention):
+    """Llama's attention (its ``forward``) with Gemma's parts: ``1 + w`` q/k norms, the layer's
+    own rope, the ``query_pre_attn_scalar`` scale and the scores' soft-cap."""
+
     def __init__(self, cfg: HFConfig, rope: Rope, softcap: float | None, qk_norm: bool):
-        super().__init__()
+        nn.Module.__init__(self)  # every part is built here, none as Llama builds it
         bias = bool(cfg.raw.get("attention_bias", False))
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
                                           cfg.num_kv_heads, bias=bias)
@@ -50,27 +51,14 @@ class GemmaAttention(nn.Module):
         self.attn = Attention(self.qkv_proj.num_heads, cfg.head_dim, self.qkv_proj.num_kv_heads,
                               scale, softcap=softcap)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
-        self.rotary_emb(positions, q, k)
-        out: torch.Tensor = self.o_proj(self.attn(q, k, v))
-        return out
 
 
-class GemmaMLP(nn.Module):
+class GemmaMLP(LlamaMLP):
+    """Llama's MLP with GeGLU (gelu, tanh approximation) for SiLU."""
+
     def __init__(self, cfg: HFConfig):
-        super().__init__()
-        size = cfg.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size])
-        self.down_proj = RowParallelLinear(size, cfg.hidden_size)
-        self.act = GeluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down_proj(self.act(self.gate_up_proj(x)))
-        return out
+        super().__init__(cfg)
+        self.act = GeluAndMul()  # type: ignore[assignment]
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -169,33 +157,15 @@ class Gemma2ForCausalLM(CausalLM):
                 raise ValueError(f"{where}: {name} must be a positive number or null, "
                                  f"got {value!r}")
 
-    def quantize_weights(self, method: str) -> None:
-        """As Llama's: the linear layers; with int8 the embedding and the LM head too."""
-        quantize_linears(self, method)
-        if method != "int8":
-            return
-        self.model.embed_tokens.quantize()
-        if self.cfg.tie_word_embeddings:  # the same parameter, already int8
-            self.lm_head.weight_scale = self.model.embed_tokens.weight_scale
-            self.lm_head.dtype = self.model.embed_tokens.dtype
-        else:
-            self.lm_head.quantize()
-
     def pack_weights(self) -> None:
         """After loading: prepack the matmul weights, keep the norms' 1 + weight."""
+        super().pack_weights()
         for m in self.modules():
-            if isinstance(m, LinearBase):
-                m.pack_weights()
-            elif isinstance(m, GemmaRMSNorm):
+            if isinstance(m, GemmaRMSNorm):
                 m.prepare()
-        self.lm_head.pack_weights(tied=self.cfg.tie_word_embeddings)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden: torch.Tensor = self.model(input_ids, positions)
-        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits: torch.Tensor | None = self.lm_head(hidden)
+        logits = super().compute_logits(hidden)
         if logits is not None and self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

@@ -14,11 +14,9 @@ from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import (
-    LinearBase,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
-    quantize_linears,
 )
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, check_rope_config
@@ -40,8 +38,8 @@ class LlamaAttention(nn.Module):
         self.q_size = self.qkv_proj.num_heads * cfg.head_dim
         self.kv_size = self.qkv_proj.num_kv_heads * cfg.head_dim
         self.head_dim = cfg.head_dim
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.q_norm: nn.Module | None = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm: nn.Module | None = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.rotary_emb = RotaryEmbedding.from_config(cfg)
         self.attn = Attention(self.qkv_proj.num_heads, cfg.head_dim,
                               self.qkv_proj.num_kv_heads, cfg.head_dim**-0.5)
@@ -132,30 +130,3 @@ class LlamaForCausalLM(CausalLM):
         heads = raw["num_attention_heads"]
         check_rope_config(raw, raw.get("head_dim") or raw["hidden_size"] // heads, where)
 
-    def quantize_weights(self, method: str) -> None:
-        """After loading: the linear layers to ``method``; with int8 the embedding and the LM
-        head too (FP8 leaves them in dtype, as vLLM does)."""
-        quantize_linears(self, method)
-        if method != "int8":
-            return
-        self.model.embed_tokens.quantize()
-        if self.cfg.tie_word_embeddings:  # the same parameter, already int8
-            self.lm_head.weight_scale = self.model.embed_tokens.weight_scale
-            self.lm_head.dtype = self.model.embed_tokens.dtype
-        else:
-            self.lm_head.quantize()
-
-    def pack_weights(self) -> None:
-        """After loading: let every matmul layer prepack its weight for the device."""
-        for m in self.modules():
-            if isinstance(m, LinearBase):
-                m.pack_weights()
-        self.lm_head.pack_weights(tied=self.cfg.tie_word_embeddings)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden: torch.Tensor = self.model(input_ids, positions)
-        return hidden
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits: torch.Tensor | None = self.lm_head(hidden)
-        return logits

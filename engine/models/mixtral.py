@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from engine.layers.linear import LinearBase
 from engine.layers.moe import FusedMoE, expert_mapping
 from engine.layers.norm import RMSNorm
 from engine.loader import ShardId
@@ -148,26 +147,13 @@ class MoECausalLM(CausalLM):
                              "not supported (the experts' weights have no quantized path)")
         _int_field(raw, "num_experts_per_tok", where, high=cls.num_experts(raw))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden: torch.Tensor = self.model(input_ids, positions)
-        return hidden
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits: torch.Tensor | None = self.lm_head(hidden)
-        return logits
-
     def quantize_weights(self, method: str) -> None:
         raise ValueError(f"quantization={method!r} is not supported for mixture-of-experts "
                          f"models ({self.cfg.architecture}): the experts' weights have no "
                          "quantized path; load it unquantized")
 
-    def pack_weights(self) -> None:
-        """After loading: the attention's (and dense MLPs', the routers') matmuls prepacked;
-        the experts' stacked weights stay as they are."""
-        for m in self.modules():
-            if isinstance(m, LinearBase):
-                m.pack_weights()
-        self.lm_head.pack_weights(tied=self.cfg.tie_word_embeddings)
+    # pack_weights (CausalLM's): the attention's, dense MLPs' and routers' matmuls prepacked;
+    # the experts' stacked weights stay as they are
 
 
 class MixtralForCausalLM(MoECausalLM):
