@@ -103,11 +103,11 @@ WARMUP = make_workload(2, 1, (16, 32), (4, 4))
 # ----------------------------------------------------------------------------- checkpoint
 def checkpoint_path(size: str) -> Path:
     """The random checkpoint of ``size``, built on first use (config, bf16 safetensors,
-    the default model's tokenizer files)."""
+    the default model's tokenizer files with the vocabulary padded to the model's)."""
     from engine.envs import cache_dir
 
-    name = {"0.5b": "bench-qwen2-0.5b-shape", "tiny": "bench-qwen2-tiny",
-            "moe": "bench-qwen3-moe"}[size]
+    name = {"0.5b": "bench-qwen2-0.5b-shape-v2", "tiny": "bench-qwen2-tiny-v2",
+            "moe": "bench-qwen3-moe-v2"}[size]
     path = cache_dir() / name
     if not (path / "config.json").is_file():
         _build_checkpoint(path, MODEL_SHAPES[size])
@@ -140,9 +140,28 @@ def _build_checkpoint(path: Path, shape: dict) -> None:
         for f in tok_dir.iterdir():
             if f.is_file() and f.name not in TOKENIZER_SKIP:
                 shutil.copy(f, tmp / f.name)
+        _pad_vocab(tmp / "tokenizer.json", VOCAB)
         os.replace(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _pad_vocab(tokenizer_json: Path, size: int) -> None:
+    """Give every id the model can sample a token that decodes to text (`` t<id>``), as a real
+    checkpoint's tokenizer does: the default model's few hundred tokens would leave nearly every
+    generated id without text, and a streaming server sends nothing for those."""
+    tok = json.loads(tokenizer_json.read_text())
+    vocab = tok["model"]["vocab"]
+    used = set(vocab.values()) | {t["id"] for t in tok["added_tokens"]}
+    for i in range(size):
+        if i not in used and f"\u0120t{i}" not in vocab:
+            vocab[f"\u0120t{i}"] = i
+    tokenizer_json.write_text(json.dumps(tok, ensure_ascii=False))
+    # without this, transformers gives a vocabulary this large an extra unk token past its end
+    config_json = tokenizer_json.with_name("tokenizer_config.json")
+    config = json.loads(config_json.read_text())
+    config["unk_token"] = None
+    config_json.write_text(json.dumps(config, indent=2))
 
 
 def _check_finite_logits(model) -> None:
@@ -178,7 +197,8 @@ class EngineBackend:
         self.llm = LLM(model=str(path), dtype=args.dtype, max_model_len=args.max_model_len,
                        max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens,
-                       kv_cache_memory_bytes=args.kv_cache_gib << 30, num_threads=args.threads,
+                       kv_cache_memory_bytes=args.kv_cache_gib << 30,
+                       num_threads=args.engine_threads,
                        quantization=args.quantization,
                        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
         self._generate(WARMUP, use_tqdm=False)
@@ -481,9 +501,9 @@ class _TimedSampler:
     def __init__(self, sampler, timers: StepTimers):
         self._sampler, self._timers = sampler, timers
 
-    def __call__(self, logits, reqs):
+    def __call__(self, logits, *args, **kwargs):
         t = time.perf_counter()
-        out = self._sampler(logits, reqs)
+        out = self._sampler(logits, *args, **kwargs)
         self._timers.add("sample", time.perf_counter() - t)
         return out
 
@@ -575,7 +595,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "token ids (same lengths); ratios are medians of per-round ratios")
     p.add_argument("--prompt-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
-    p.add_argument("--threads", type=int, default=2, help="CPU threads for every backend")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for every backend (default: the engine's own default, the "
+                   "cores this process may use; HF and vLLM get the same count)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -609,6 +631,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"unknown backends {sorted(unknown)}; accepted: engine, hf, vllm")
     if "vllm" in args.backends and not args.vllm_python:
         p.error("the vllm backend needs --vllm-python PATH")
+    # the engine runs with what a user gets unless --threads is given; the others get its count
+    args.engine_threads = args.threads
+    args.threads = args.threads or len(os.sched_getaffinity(0))
     return args
 
 
@@ -623,7 +648,8 @@ def run_rounds(backends: list, wl: Workload, args) -> dict[str, list[dict]]:
             load = os.getloadavg()[0]
             elapsed, extra = b.generate(work)
             res = result(b.name, args.model_size, work, elapsed, **extra,
-                         load_avg_1m_before=round(load, 2), dtype=args.dtype, cpu=args.cpu)
+                         load_avg_1m_before=round(load, 2), dtype=args.dtype, cpu=args.cpu,
+                         threads=args.threads)
             if args.rounds > 1:
                 res["round"] = r
             runs[b.name].append(res)

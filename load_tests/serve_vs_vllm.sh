@@ -35,7 +35,7 @@ print(str(resolve_dtype('auto', HFConfig.load(sys.argv[1]).torch_dtype, torch.de
 RATE=${RATE:-inf}  # requests/s (Poisson arrivals); inf = as fast as CONCURRENCY allows
 ROUNDS=${ROUNDS:-3}
 LOAD=(--num-prompts "$N" --max-concurrency "$C" --request-rate "$RATE" --input-len 128
-      --output-len 64 --range-ratio 0.5 --prompt-mode tokens --vocab-size 700 --seed 0 --no-progress)
+      --output-len 64 --range-ratio 0.5 --prompt-mode tokens --vocab-size 700 --no-progress)
 OUT=$(mktemp /tmp/serve_vs_vllm.XXXXXX.jsonl)
 PS_URL=http://127.0.0.1:8000
 VLLM_URL=http://127.0.0.1:8100
@@ -45,7 +45,12 @@ warm_up() {
     --input-len 128 --output-len 16 --prompt-mode tokens --vocab-size 700 --seed 1 --no-progress \
     >/dev/null
 }
-run() { $PY load_tests/serving_benchmark.py --url "$2" "${LOAD[@]}" --label "$1" | tee -a "$OUT"; }
+# run LABEL URL ROUND: each round's prompts are new (seed 100+ROUND), so no run is served from
+# prompts an earlier one left in the prefix cache; both servers get the same prompts in a round
+run() {
+  $PY load_tests/serving_benchmark.py --url "$2" "${LOAD[@]}" --seed $((100 + $3)) --label "$1" |
+    tee -a "$OUT"
+}
 wait_up() { for _ in $(seq 1 240); do curl -sf "$1/v1/models" >/dev/null && return 0; sleep 1; done; return 1; }
 
 # This app, started the way users start it (`serve run`, which starts a local Ray cluster with
@@ -80,9 +85,9 @@ warm_up $PS_URL
 warm_up $VLLM_URL
 for r in $(seq 1 "$ROUNDS"); do
   if [ $((r % 2)) -eq 1 ]; then
-    run "pagedserve round $r" $PS_URL; run "vllm round $r" $VLLM_URL
+    run "pagedserve round $r" $PS_URL "$r"; run "vllm round $r" $VLLM_URL "$r"
   else
-    run "vllm round $r" $VLLM_URL; run "pagedserve round $r" $PS_URL
+    run "vllm round $r" $VLLM_URL "$r"; run "pagedserve round $r" $PS_URL "$r"
   fi
 done
 kill $VLLM; wait $VLLM 2>/dev/null || true; VLLM=
@@ -93,7 +98,7 @@ if [ "${PROXY:-0}" = 1 ]; then  # the same app through Serve's Python proxy
   start_app RAY_SERVE_ENABLE_HA_PROXY=0
   wait_up $PS_URL
   warm_up $PS_URL
-  for r in $(seq 1 "$ROUNDS"); do run "pagedserve-serve-proxy round $r" $PS_URL; done
+  for r in $(seq 1 "$ROUNDS"); do run "pagedserve-serve-proxy round $r" $PS_URL "$r"; done
   stop_app
 fi
 
