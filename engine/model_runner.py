@@ -92,7 +92,7 @@ class ModelRunner:
 
     def _warm_up_packed(self, model: CausalLM) -> None:
         """Prepacked CPU matmuls: build oneDNN's kernels for the row counts of decode steps
-        (up to 256 rows: cheap products); a larger bucket's is built when a step first uses it."""
+        (up to 256 rows) where the product is small; the others are built on first use."""
         packed = [(m.packed, getattr(m, "bias", None)) for m in model.modules()
                   if isinstance(m, (LinearBase, ParallelLMHead)) and m.packed is not None]
         rows = min(256, self.config.scheduler.max_num_batched_tokens)
