@@ -1,7 +1,11 @@
 """``AsyncEngine``: the step loop in a background thread, one async stream per request.
 
-The loop thread alone touches the ``LLMEngine``; callers talk to it through an inbox (add,
-abort) and receive outputs on per-request ``asyncio`` queues. Closing or cancelling a stream
+The loop thread alone touches the ``LLMEngine``, and builds it: on a CPU, a second thread that
+ran torch's parallel work (loading, packing, warm-up) would keep an OpenMP thread team of its
+own, and with more OpenMP threads than cores libgomp stops spinning at barriers, so every
+parallel region of a step pays a sleep and a wake-up (a 0.5B model decoded 25-40% slower on two
+cores that way). Callers talk to the loop through an inbox (add, abort) and receive outputs on
+per-request ``asyncio`` queues. Closing or cancelling a stream
 aborts its request; a request that fails (bad input, an error while processing its tokens)
 raises in its own stream only, and the loop goes on serving the others.
 """
@@ -47,7 +51,25 @@ class EngineDeadError(RuntimeError):
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, progress: bool = False,
                  **kwargs: Any):
-        self.engine = LLMEngine(config, progress=progress, **kwargs)
+        """Builds the ``LLMEngine`` (``config``, or ``kwargs`` as ``EngineConfig.from_kwargs``)
+        in the loop thread and returns once it is built; a build error is raised here."""
+        built: queue.SimpleQueue[LLMEngine | BaseException] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._build_and_run,
+                                        args=(config, progress, kwargs, built),
+                                        name="pagedserve-engine", daemon=True)
+        self._inbox: queue.SimpleQueue[_Message] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stopping = False
+        self._rate: collections.deque[tuple[float, int]] = collections.deque()
+        self._steps: collections.deque[tuple[float, int]] = collections.deque(
+            maxlen=_MAX_STEP_RECORDS)
+        self._thread.start()
+        result = built.get()
+        if isinstance(result, BaseException):
+            self._thread.join()
+            raise result
+        self.engine = result
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
         self.model_name = self.engine.model_name
@@ -57,16 +79,6 @@ class AsyncEngine:
         self.quantization = self.engine.quantization  # the weights' format; None: dtype
         self.kv_cache_dtype = self.engine.kv_cache_dtype  # "fp8_e4m3", or the dtype's name
         self.default_sampling = self.engine.default_sampling  # generation_config.json's
-        self._inbox: queue.SimpleQueue[_Message] = queue.SimpleQueue()
-        self._wakeup = threading.Event()
-        self._streams: dict[str, _Stream] = {}
-        self._stopping = False
-        self._stats = self.engine.get_stats()
-        self._rate: collections.deque[tuple[float, int]] = collections.deque()
-        self._steps: collections.deque[tuple[float, int]] = collections.deque(
-            maxlen=_MAX_STEP_RECORDS)
-        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
-        self._thread.start()
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> AsyncEngine:
@@ -139,6 +151,17 @@ class AsyncEngine:
     def _send(self, msg: _Message) -> None:
         self._inbox.put(msg)
         self._wakeup.set()
+
+    def _build_and_run(self, config: EngineConfig | None, progress: bool, kwargs: dict[str, Any],
+                       built: queue.SimpleQueue[LLMEngine | BaseException]) -> None:
+        try:
+            self.engine = LLMEngine(config, progress=progress, **kwargs)
+            self._stats = self.engine.get_stats()
+        except BaseException as e:  # handed to the constructor, which raises it
+            built.put(e)
+            return
+        built.put(self.engine)
+        self._run()
 
     def _run(self) -> None:
         try:

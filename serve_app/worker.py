@@ -255,15 +255,12 @@ class Worker:
 
 
 def build_engine(config: AppConfig) -> ServingEngine:
-    """The default engine: an ``AsyncEngine`` of the config's engine settings; on a CPU, torch
-    and the engine get ``worker_threads()`` threads (unless ``num_threads`` is set); tensor-
-    parallel ranks 1..N-1 run as Ray actors in this replica's placement group."""
-    import torch
-
+    """The default engine: an ``AsyncEngine`` of the config's engine settings; on a CPU, it
+    computes with ``worker_threads()`` threads (unless ``num_threads`` is set; the engine's loop
+    thread sets torch's count for itself); tensor-parallel ranks 1..N-1 run as Ray actors in
+    this replica's placement group."""
     from engine.async_engine import AsyncEngine
 
-    if not config.use_gpu():
-        torch.set_num_threads(config.worker_threads())
     engine_cfg = config.engine
     if engine_cfg.device.num_threads is None and not config.use_gpu():
         engine_cfg = engine_cfg.model_copy(deep=True)

@@ -167,3 +167,44 @@ def test_abort_ends_an_open_stream_with_finish_reason_abort(engine):
     assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
     assert 3 <= len(outs) < 500
     assert engine.get_stats()["num_free_blocks"] == engine.get_stats()["num_total_blocks"]
+
+
+def test_the_loop_thread_builds_and_steps_the_engine_with_the_configured_threads(ckpt,
+                                                                                  monkeypatch):
+    """Everything torch runs in parallel happens on one thread: the loop thread builds the model
+    and steps it. (A constructor thread that loaded and packed weights keeps an OpenMP team of
+    its own; with more OpenMP threads than cores, libgomp stops spinning at its barriers and a
+    decode step pays a sleep and a wake-up per parallel region.) torch's thread count is per
+    thread under OpenMP, so the configured count must be set in the loop thread too."""
+    import threading
+
+    import torch
+
+    from engine.llm_engine import LLMEngine
+
+    seen: dict[str, set[tuple[int, int]]] = {"init": set(), "step": set()}
+    init, step = LLMEngine.__init__, LLMEngine.step
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        seen["init"].add((threading.get_ident(), torch.get_num_threads()))
+
+    def recording_step(self):
+        seen["step"].add((threading.get_ident(), torch.get_num_threads()))
+        return step(self)
+
+    monkeypatch.setattr(LLMEngine, "__init__", recording_init)
+    monkeypatch.setattr(LLMEngine, "step", recording_step)
+    eng = AsyncEngine(model=ckpt, dtype="float32", kv_cache_memory_bytes=4 << 20, block_size=8,
+                      num_threads=1)
+    try:
+        run(collect(eng, "t", [0, 5, 6], SamplingParams(max_tokens=3, ignore_eos=True)))
+    finally:
+        eng.shutdown()
+    assert seen["init"] == seen["step"] == {(eng._thread.ident, 1)}
+    assert eng._thread.ident != threading.get_ident()
+
+
+def test_a_build_error_is_raised_by_the_constructor(tmp_path):
+    with pytest.raises(ValueError, match="is not a folder"):
+        AsyncEngine(model=str(tmp_path / "missing"), dtype="float32")
