@@ -8,6 +8,9 @@
 # round starts each version afresh (the order flips every round), warms it up and measures it.
 # Prints one JSON line per run (labels "base round N", "new round N"), then compare_runs.py's
 # summary: medians, and the medians of the per-round ratios new / base.
+# MODEL (default: the app's default model) is served by both; BASE_ARGS and NEW_ARGS are extra
+# `key=value` arguments of build_app for one version only (a setting's A/B on one commit:
+#   NEW_ARGS="separate_prefill_steps=false" load_tests/serve_ab.sh HEAD HEAD).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=$PWD/.venv/bin/python
@@ -35,10 +38,11 @@ LOAD=(--num-prompts "$N" --max-concurrency "$C" --input-len 128 --output-len 64
 
 up() { for _ in $(seq 1 240); do curl -sf http://127.0.0.1:8000/v1/models >/dev/null && return 0
        sleep 1; done; echo "the app did not start: $WORK/app.log" >&2; return 1; }
-start() {  # start DIR: the app from DIR's code, in its own process group
+start() {  # start DIR [ARGS]: the app from DIR's code, in its own process group
   set -m
+  # shellcheck disable=SC2086  # ARGS: words, each a key=value
   (cd "$1" && PYTHONPATH="$1" exec "$(dirname "$PY")/serve" run serve_app:build_app \
-     >"$WORK/app.log" 2>&1) &
+     ${MODEL:+model="$MODEL"} ${2:-} >"$WORK/app.log" 2>&1) &
   APP=$!
   set +m
   up
@@ -49,16 +53,19 @@ stop() {  # Ctrl-C, as a user stops serve run (it shuts the app and its cluster 
   kill -KILL -- "-$APP" 2>/dev/null || true; wait "$APP" 2>/dev/null || true; APP=
   "$(dirname "$PY")/ray" stop --force >/dev/null 2>&1 || true
 }
-measure() {  # measure LABEL DIR
-  start "$2"
+measure() {  # measure LABEL DIR [ARGS]
+  start "$2" "${3:-}"
   $PY load_tests/serving_benchmark.py "${LOAD[@]}" --num-prompts 16 --output-len 16 >/dev/null
   $PY load_tests/serving_benchmark.py "${LOAD[@]}" --label "$1" | tee -a "$OUT"
   stop
 }
 "$(dirname "$PY")/ray" stop --force >/dev/null 2>&1 || true  # serve run would join a running cluster
 for r in $(seq 1 "$ROUNDS"); do
-  if [ $((r % 2)) -eq 1 ]; then measure "base round $r" "$WORK/base"; measure "new round $r" "$NEW_DIR"
-  else measure "new round $r" "$NEW_DIR"; measure "base round $r" "$WORK/base"; fi
+  if [ $((r % 2)) -eq 1 ]; then
+    measure "base round $r" "$WORK/base" "${BASE_ARGS:-}"; measure "new round $r" "$NEW_DIR" "${NEW_ARGS:-}"
+  else
+    measure "new round $r" "$NEW_DIR" "${NEW_ARGS:-}"; measure "base round $r" "$WORK/base" "${BASE_ARGS:-}"
+  fi
 done
 $PY load_tests/compare_runs.py "$OUT" --ours new --peer base ${PLOT:+--plot "$PLOT"} \
   --title "$N requests, $C concurrent streams: $BASE against ${NEW:-the working tree}"
