@@ -5,9 +5,9 @@ ran torch's parallel work (loading, packing, warm-up) would keep an OpenMP threa
 own, and with more OpenMP threads than cores libgomp stops spinning at barriers, so every
 parallel region of a step pays a sleep and a wake-up (a 0.5B model decoded 25-40% slower on two
 cores that way). Callers talk to the loop through an inbox (add, abort) and receive outputs on
-per-request ``asyncio`` queues. Closing or cancelling a stream
-aborts its request; a request that fails (bad input, an error while processing its tokens)
-raises in its own stream only, and the loop goes on serving the others.
+per-request ``asyncio`` queues. Closing or cancelling a stream aborts its request; a request
+that fails (bad input, an error while processing its tokens) raises in its own stream only,
+and the loop goes on serving the others.
 """
 
 from __future__ import annotations
