@@ -12,8 +12,10 @@
  * A work item is a tile of up to ROWS query rows of one sequence and a range of its kv heads.
  * It walks the sequence's blocks straight from the block table (no gather, no padding to the
  * longest sequence), a chunk of at most CHUNK keys at a time; every key and value row it loads
- * serves all the tile's query heads of that kv head. Decode rows (head size 64 or 128) take dot
- * products along D, 16 keys reduced together (attend_row_dc); other tiles run lane-wise across
+ * serves all the tile's query heads of that kv head. Decode rows (head size 64 or 128, AVX-512)
+ * transpose each chunk of 16 keys once per kv head (one key per lane), so every head of the
+ * group gets its 16 scores from D/2 bfloat16 dot products (or D float32 FMAs) with no
+ * horizontal sum (attend_row_dc); other tiles run lane-wise across
  * their query vectors (attend_tile_qvec), which needs no horizontal sums; attend_item is the
  * plain-C path for head sizes that are not a multiple of 16 and CPUs without AVX-512. The next
  * block is prefetched while one is processed. Scores and the running softmax are float32 (online softmax, rescaled once per
@@ -29,6 +31,7 @@
 
 #define ROWS 8    /* query rows per tile (prefill chunks) */
 #define CHUNK 32  /* keys per softmax update */
+#define PF_BLOCKS 2 /* decode rows keep the blocks up to PF_BLOCKS - 1 ahead prefetched */
 #define QVEC_MAX_LANES 1024 /* query vectors of one tile (ROWS x group, padded) in the tile path */
 
 /* q . k over d < n (both float, q pre-scaled). */
@@ -194,25 +197,6 @@ static void attend_item(const Item *it, Scratch *w, void *out, const void *query
 }
 
 #ifdef __AVX512F__
-/* 16 vectors -> one vector whose lane i is the sum of v[i]'s 16 lanes (45 shuffles and adds
- * for 16 sums, against about 8 operations each for separate horizontal sums). */
-static inline __m512 reduce16(const __m512 *v) {
-    __m512 a[8], b[4], c[2];
-    for (int i = 0; i < 8; i++)
-        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {
-        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
-    for (int i = 0; i < 2; i++)
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 #ifdef __AVX512BF16__
 /* n rows of D fp8 E4M3 values (src_stride bytes apart) as bfloat16, D apart, at dst: exact (its
  * 3 mantissa bits and range fit bfloat16). D % 32 == 0. */
@@ -246,11 +230,127 @@ static inline int permuted_d(int i) {
     return 32 * (j / 2) + 8 * (k / 4) + 4 * (j % 2) + k % 4;
 }
 
-/* The decode path (one query row) for D = 16 * DC: keys in groups of 16, the 16 dot products of
- * a head reduced together (reduce16), the softmax on that vector, and values accumulated with
- * HG heads' accumulators held in registers. On CPUs with AVX512-BF16, bfloat16 scores come from
- * dot-product instructions on the cached keys as they are (an fp8 cache's chunk converted to
- * bfloat16 first, once per kv head). */
+/* A 16 x 16 matrix of 32-bit elements, one row per vector, transposed in place. */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(u[i], u[4 + i], 0x88);
+        t[4 + i] = _mm512_shuffle_i32x4(u[i], u[4 + i], 0xdd);
+        t[8 + i] = _mm512_shuffle_i32x4(u[8 + i], u[12 + i], 0x88);
+        t[12 + i] = _mm512_shuffle_i32x4(u[8 + i], u[12 + i], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0x88);
+        r[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xdd);
+        r[4 + i] = _mm512_shuffle_i32x4(t[4 + i], t[12 + i], 0x88);
+        r[12 + i] = _mm512_shuffle_i32x4(t[4 + i], t[12 + i], 0xdd);
+    }
+}
+
+/* n <= 16 float key rows of D elements (row bytes apart) transposed: kt[d] lane t = k[t][d],
+ * zero for t >= n. D % 16 == 0. */
+static inline void transpose_keys_f32(__m512i *kt, const char *kb, int n, size_t row, int D) {
+    for (int cg = 0; cg < D / 16; cg++) {
+        __m512i r[16];
+        for (int t = 0; t < 16; t++)
+            r[t] = t < n ? _mm512_loadu_si512(kb + (size_t)t * row + 64 * cg) : _mm512_setzero_si512();
+        transpose16(r);
+        for (int i = 0; i < 16; i++) _mm512_storeu_si512(kt + 16 * cg + i, r[i]);
+    }
+}
+
+/* Scores of NH heads for the 16 keys of kt (float32): s[h * 16 + t] = q_h . k_t, q_h at q + h * D. */
+static inline __attribute__((always_inline)) void qk_heads_f32(const __m512i *kt, const float *q,
+                                                                int D, float *s, const int NH) {
+    __m512 a[8], b[8];
+    for (int h = 0; h < NH; h++) a[h] = b[h] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 2) {
+        const __m512 k0 = _mm512_castsi512_ps(_mm512_loadu_si512(kt + d));
+        const __m512 k1 = _mm512_castsi512_ps(_mm512_loadu_si512(kt + d + 1));
+        for (int h = 0; h < NH; h++) {
+            a[h] = _mm512_fmadd_ps(_mm512_set1_ps(q[h * D + d]), k0, a[h]);
+            b[h] = _mm512_fmadd_ps(_mm512_set1_ps(q[h * D + d + 1]), k1, b[h]);
+        }
+    }
+    for (int h = 0; h < NH; h++) _mm512_storeu_ps(s + 16 * h, _mm512_add_ps(a[h], b[h]));
+}
+
+static void qk_group_f32(const __m512i *kt, const float *q, int D, float *s, int nh) {
+    for (; nh > 0; nh -= 8, q += 8 * D, s += 128) {
+        switch (nh < 8 ? nh : 8) {
+        case 1: qk_heads_f32(kt, q, D, s, 1); break;
+        case 2: qk_heads_f32(kt, q, D, s, 2); break;
+        case 3: qk_heads_f32(kt, q, D, s, 3); break;
+        case 4: qk_heads_f32(kt, q, D, s, 4); break;
+        case 5: qk_heads_f32(kt, q, D, s, 5); break;
+        case 6: qk_heads_f32(kt, q, D, s, 6); break;
+        case 7: qk_heads_f32(kt, q, D, s, 7); break;
+        default: qk_heads_f32(kt, q, D, s, 8); break;
+        }
+    }
+}
+
+#ifdef __AVX512BF16__
+/* n <= 16 bfloat16 key rows of D elements (kv_row bytes apart) transposed by element pairs:
+ * kt[p] lane t = (k[t][2p], k[t][2p + 1]), zero for t >= n. D % 32 == 0. */
+static inline void transpose_keys(__m512i *kt, const char *kb, int n, size_t kv_row, int D) {
+    for (int cg = 0; cg < D / 32; cg++) {
+        __m512i r[16];
+        for (int t = 0; t < 16; t++)
+            r[t] = t < n ? _mm512_loadu_si512(kb + (size_t)t * kv_row + 64 * cg) : _mm512_setzero_si512();
+        transpose16(r);
+        for (int i = 0; i < 16; i++) _mm512_storeu_si512(kt + 16 * cg + i, r[i]);
+    }
+}
+
+/* Raw scores of NH heads for the 16 keys of kt: s[h * 16 + t] = q_h . k_t, q_h the bfloat16 pairs
+ * at q + h * P (P = D / 2 pairs). Two chains per head hide the dot products' latency. */
+static inline __attribute__((always_inline)) void qk_heads(const __m512i *kt, const uint32_t *q,
+                                                            int P, float *s, const int NH) {
+    __m512 a[8], b[8];
+    for (int h = 0; h < NH; h++) a[h] = b[h] = _mm512_setzero_ps();
+    for (int p = 0; p < P; p += 2) {
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + p), k1 = (__m512bh)_mm512_loadu_si512(kt + p + 1);
+        for (int h = 0; h < NH; h++) {
+            a[h] = _mm512_dpbf16_ps(a[h], (__m512bh)_mm512_set1_epi32((int)q[h * P + p]), k0);
+            b[h] = _mm512_dpbf16_ps(b[h], (__m512bh)_mm512_set1_epi32((int)q[h * P + p + 1]), k1);
+        }
+    }
+    for (int h = 0; h < NH; h++) _mm512_storeu_ps(s + 16 * h, _mm512_add_ps(a[h], b[h]));
+}
+
+static void qk_group(const __m512i *kt, const uint32_t *q, int P, float *s, int nh) {
+    for (; nh > 0; nh -= 8, q += 8 * P, s += 128) {
+        switch (nh < 8 ? nh : 8) {
+        case 1: qk_heads(kt, q, P, s, 1); break;
+        case 2: qk_heads(kt, q, P, s, 2); break;
+        case 3: qk_heads(kt, q, P, s, 3); break;
+        case 4: qk_heads(kt, q, P, s, 4); break;
+        case 5: qk_heads(kt, q, P, s, 5); break;
+        case 6: qk_heads(kt, q, P, s, 6); break;
+        case 7: qk_heads(kt, q, P, s, 7); break;
+        default: qk_heads(kt, q, P, s, 8); break;
+        }
+    }
+}
+#endif
+
+/* The decode path (one query row) for D = 16 * DC: keys in chunks of 16, transposed once per kv
+ * head (transpose_keys, transpose_keys_f32) so that the group's scores come out one key per lane
+ * (qk_group, qk_group_f32), the softmax on that vector, and values accumulated with HG heads'
+ * accumulators held in registers. On CPUs with AVX512-BF16, bfloat16 scores and values go through
+ * dot-product instructions on the cached rows as they are (an fp8 cache's chunk converted to
+ * bfloat16 first, once per kv head); float32 caches are read in place. */
 static inline __attribute__((always_inline)) void attend_row_dc(
     const Item *it, Scratch *w, void *out, const void *query, const char *k_cache,
     const char *v_cache, const int32_t *table, int64_t pos, int num_q_heads, int num_kv_heads,
@@ -274,13 +374,19 @@ static inline __attribute__((always_inline)) void attend_row_dc(
     }
     const int64_t nblocks = (kv_len + block_size - 1) / block_size;
     const int64_t first = window_start(pos, window);
-    for (int64_t j = first / block_size; j < nblocks && j < max_blocks; j++) {
+    const int64_t jend = nblocks < max_blocks ? nblocks : max_blocks;
+    const size_t block_bytes = (size_t)block_stride * kes;
+    for (int64_t j = first / block_size; j < jend && j < first / block_size + PF_BLOCKS - 1; j++)
+        if (table[j] >= 0) {
+            prefetch_block(k_cache + (size_t)table[j] * block_bytes, block_bytes);
+            prefetch_block(v_cache + (size_t)table[j] * block_bytes, block_bytes);
+        }
+    for (int64_t j = first / block_size; j < jend; j++) {
         const int64_t blk = table[j];
         if (blk < 0) continue;
-        if (j + 1 < nblocks && j + 1 < max_blocks && table[j + 1] >= 0) {
-            const size_t bytes = (size_t)block_stride * kes;
-            prefetch_block(k_cache + (size_t)table[j + 1] * bytes, bytes);
-            prefetch_block(v_cache + (size_t)table[j + 1] * bytes, bytes);
+        if (j + PF_BLOCKS - 1 < jend && table[j + PF_BLOCKS - 1] >= 0) {
+            prefetch_block(k_cache + (size_t)table[j + PF_BLOCKS - 1] * block_bytes, block_bytes);
+            prefetch_block(v_cache + (size_t)table[j + PF_BLOCKS - 1] * block_bytes, block_bytes);
         }
         for (int c0 = 0; c0 < block_size; c0 += 16) {
             const int64_t key0 = j * block_size + c0;
@@ -306,34 +412,29 @@ static inline __attribute__((always_inline)) void attend_row_dc(
                     kv_row = (size_t)2 * D;
                 }
 #endif
-                if (!direct)
-                    load_tokens(w->kbuf, kb, n, token_stride * kes, D, kv_dtype);
-                for (int h = kvh * group; h < (kvh + 1) * group; h++) {
-                    __m512 dv[16];
-                    if (direct) {
+                /* the group's raw scores at w->s + h * 16, from the chunk's keys transposed once
+                 * (one key per lane: no horizontal sums), at w->kbuf + 16 D past the key rows */
+                __m512i *kt = (__m512i *)(w->kbuf + (size_t)16 * D);
 #ifdef __AVX512BF16__
-                        __m512bh qb[8];
-                        const uint16_t *qr = (const uint16_t *)(q_row + (size_t)h * D * es);
-                        for (int c = 0; c < DC / 2; c++) qb[c] = (__m512bh)_mm512_loadu_si512(qr + 32 * c);
-                        for (int t = 0; t < 16; t++) {
-                            dv[t] = _mm512_setzero_ps();
-                            if (t >= n) continue;
-                            const char *kr = kb + (size_t)t * kv_row;
-                            for (int c = 0; c < DC / 2; c++)
-                                dv[t] = _mm512_dpbf16_ps(dv[t], qb[c], (__m512bh)_mm512_loadu_si512(kr + 64 * c));
-                        }
+                if (direct) {
+                    transpose_keys(kt, kb, n, kv_row, D);
+                    qk_group(kt, (const uint32_t *)(q_row + (size_t)kvh * group * D * es), D / 2,
+                             w->s + (size_t)kvh * group * 16, group);
+                }
 #endif
-                    } else {
-                        __m512 qv[16];
-                        for (int c = 0; c < DC; c++) qv[c] = _mm512_loadu_ps(w->q + (size_t)h * D + 16 * c);
-                        for (int t = 0; t < 16; t++) {
-                            dv[t] = _mm512_setzero_ps();
-                            if (t >= n) continue;
-                            const float *k = w->kbuf + (size_t)t * D;
-                            for (int c = 0; c < DC; c++) dv[t] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), dv[t]);
-                        }
+                if (!direct) { /* float32 caches are read in place, others as floats */
+                    const char *rows = kb;
+                    size_t row = kv_row;
+                    if (kv_dtype != 0) {
+                        load_tokens(w->kbuf, kb, n, token_stride * kes, D, kv_dtype);
+                        rows = (const char *)w->kbuf;
+                        row = sizeof(float) * D;
                     }
-                    __m512 sv = reduce16(dv);
+                    transpose_keys_f32(kt, rows, n, row, D);
+                    qk_group_f32(kt, w->q + (size_t)kvh * group * D, D, w->s + (size_t)kvh * group * 16, group);
+                }
+                for (int h = kvh * group; h < (kvh + 1) * group; h++) {
+                    __m512 sv = _mm512_loadu_ps(w->s + (size_t)h * 16);
                     if (direct) sv = _mm512_mul_ps(sv, _mm512_set1_ps(scale));
                     if (softcap > 0.0f) sv = v_softcap(sv, softcap);
                     sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, sv);
@@ -354,6 +455,11 @@ static inline __attribute__((always_inline)) void attend_row_dc(
                     w->l[h] = w->l[h] * corr + _mm512_reduce_add_ps(pv);
                     w->m[h] = bmax;
                     _mm512_storeu_ps(w->s + (size_t)h * 16, pv);
+#ifdef __AVX512BF16__
+                    if (direct) /* (p[t], p[t+1]) bfloat16 pairs for the value path, rounded as f32_to_bf16 */
+                        _mm256_storeu_si256((__m256i *)(w->s + (size_t)num_q_heads * 16 + (size_t)h * 8),
+                                            (__m256i)_mm512_cvtneps_pbh(pv));
+#endif
                     if (corr != 1.0f) {
                         float *a = w->acc + (size_t)h * D;
                         for (int c = 0; c < DC; c++)
@@ -366,13 +472,10 @@ static inline __attribute__((always_inline)) void attend_row_dc(
                     for (int hb = kvh * group; hb < (kvh + 1) * group; hb += HG) {
                         const int nh = (kvh + 1) * group - hb < HG ? (kvh + 1) * group - hb : HG;
                         __m512 a[16];
-                        uint32_t pp[16][8]; /* (p[t], p[t+1]) as a bfloat16 pair */
-                        for (int hh = 0; hh < nh; hh++) {
+                        /* (p[t], p[t+1]) of head hb + hh as one bfloat16 pair: pp[hh * 8 + t / 2] */
+                        const uint32_t *pp = (const uint32_t *)(w->s + (size_t)num_q_heads * 16) + (size_t)hb * 8;
+                        for (int hh = 0; hh < nh; hh++)
                             for (int c = 0; c < DC; c++) a[hh * DC + c] = _mm512_loadu_ps(w->acc + (size_t)(hb + hh) * D + 16 * c);
-                            const float *ps = w->s + (size_t)(hb + hh) * 16; /* zero past n */
-                            for (int t = 0; t < 16; t += 2)
-                                pp[hh][t / 2] = (uint32_t)f32_to_bf16(ps[t]) | ((uint32_t)f32_to_bf16(ps[t + 1]) << 16);
-                        }
                         for (int t = 0; t < n; t += 2) {
                             const char *r0 = vb + (size_t)t * kv_row;
                             const char *r1 = t + 1 < n ? vb + (size_t)(t + 1) * kv_row : zero_row;
@@ -382,7 +485,7 @@ static inline __attribute__((always_inline)) void attend_row_dc(
                                 const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x, y);
                                 const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
                                 for (int hh = 0; hh < nh; hh++) {
-                                    const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)pp[hh][t / 2]);
+                                    const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)pp[hh * 8 + t / 2]);
                                     a[hh * DC + 2 * c2] = _mm512_dpbf16_ps(a[hh * DC + 2 * c2], lo, pb);
                                     a[hh * DC + 2 * c2 + 1] = _mm512_dpbf16_ps(a[hh * DC + 2 * c2 + 1], hi, pb);
                                 }
@@ -394,14 +497,20 @@ static inline __attribute__((always_inline)) void attend_row_dc(
                     continue;
                 }
 #endif
-                load_tokens(w->kbuf, vb, n, token_stride * kes, D, kv_dtype);
+                const char *vrows = vb;
+                size_t vrow = kv_row;
+                if (kv_dtype != 0) {
+                    load_tokens(w->kbuf, vb, n, token_stride * kes, D, kv_dtype);
+                    vrows = (const char *)w->kbuf;
+                    vrow = sizeof(float) * D;
+                }
                 for (int hb = kvh * group; hb < (kvh + 1) * group; hb += HG) {
                     const int nh = (kvh + 1) * group - hb < HG ? (kvh + 1) * group - hb : HG;
                     __m512 a[16];
                     for (int hh = 0; hh < nh; hh++)
                         for (int c = 0; c < DC; c++) a[hh * DC + c] = _mm512_loadu_ps(w->acc + (size_t)(hb + hh) * D + 16 * c);
                     for (int t = 0; t < n; t++) {
-                        const float *v = w->kbuf + (size_t)t * D;
+                        const float *v = (const float *)(vrows + (size_t)t * vrow);
                         for (int c = 0; c < DC; c++) {
                             const __m512 vc = _mm512_loadu_ps(v + 16 * c);
                             for (int hh = 0; hh < nh; hh++)

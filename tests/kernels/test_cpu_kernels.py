@@ -48,7 +48,8 @@ def _attention(batch, scale, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,head_size", [((14, 2), 64), ((8, 2), 128), ((4, 4), 64),
-                                             ((6, 2), 32), ((4, 1), 80)])
+                                             ((6, 2), 32), ((4, 1), 80), ((16, 1), 64),
+                                             ((12, 1), 128)])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_paged_attention_matches_reference(dtype, heads, head_size, block_size):
     # prefill from scratch, prefill chunks after a cached prefix, decode rows (short and long)
