@@ -227,7 +227,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
     held: list[torch.Tensor | None] = list(model.parameters())
     for m in model.modules():
         if isinstance(m, (LinearBase, ParallelLMHead)):
-            held += [m.packed, m.weight_scale, *(m.int8[:2] if m.int8 is not None else ())]
+            packed = m.packed.data if isinstance(m.packed, cpu_gemm.DensePacked) else m.packed
+            held += [packed, m.weight_scale, *(m.int8[:2] if m.int8 is not None else ())]
     total = 0
     for t in held:
         if t is not None and id(t) not in seen:

@@ -4,7 +4,10 @@
 blocked layout on every call; for the small M of decode steps that reorder costs as much as the
 product (a [64, 896] x [896, 9728] product: 3.5 ms plain, 2.9 ms prepacked; at M=1, 0.6 vs 0.2 ms).
 The prepacked product gives the same bits as ``F.linear``. Used for bfloat16 weights on CPUs with
-AVX512-BF16 or AMX, and for float32 weights on every CPU: there ``F.linear`` goes to MKL's sgemm,
+AMX (on AVX512-BF16 without AMX, bfloat16 weights go to this project's C kernel instead,
+``csrc/dense_linear_cpu.c``: it overlaps reading the next weight panel with the arithmetic on
+this one, which oneDNN does not, so a decode step's products run 1.3-1.4x faster and a
+prompt's 1.2x; see that file), and for float32 weights on every CPU: there ``F.linear`` goes to MKL's sgemm,
 and oneDNN's prepacked product is 1.3-2.8x faster on decode shapes (the 0.5B model's LM head,
 [16, 896] x [896, 151936]: 118 ms -> 43 ms capped to AVX2, 133 -> 30 ms with AVX-512; its
 results match to float32 rounding, not bit for bit). The ``packed_gemm`` switch of
@@ -21,9 +24,11 @@ its linears). ``warm_up`` builds the kernels of the small products at start-up.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from kernels import cpu_isa, settings
+from kernels import cpu_isa, cpu_kernels, settings
 
 _PACK_BATCH_HINT = 64  # oneDNN picks its blocking for this M; any M runs on the result
 # A product of more multiply-adds than this takes milliseconds: building its kernel on first use
@@ -43,13 +48,43 @@ def packing_supported(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.bfloat16 and cpu_isa.native_bf16()
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
+class DensePacked(NamedTuple):
+    """A weight [n, k] in ``dense_linear_cpu.c``'s layout (``data``, flat)."""
+
+    data: torch.Tensor
+    n: int
+    k: int
+
+
+Packed = torch.Tensor | DensePacked  # a oneDNN tensor, or the C kernel's layout
+
+
+def dense_kernel_used(weight: torch.Tensor) -> bool:
+    """Whether a packable weight goes to the C kernel: bfloat16 on the ``avx512_bf16`` class
+    (AMX machines keep oneDNN's AMX kernels: no AMX machine has measured the two)."""
+    return (weight.dtype == torch.bfloat16 and cpu_isa.isa_class() == "avx512_bf16"
+            and cpu_kernels.available()
+            and cpu_kernels.call("dense_supported_cpu", cpu_kernels.DTYPES[weight.dtype]) == 1)
+
+
+def pack_onednn(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] -> an opaque oneDNN tensor for ``packed_linear``."""
     packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
     return packed
 
 
-def take_packed(param: torch.Tensor, keep_plain: bool = False) -> torch.Tensor | None:
+def pack(weight: torch.Tensor) -> Packed:
+    """weight [N, K] -> its prepacked form for ``packed_linear`` (see ``dense_kernel_used``)."""
+    if not dense_kernel_used(weight):
+        return pack_onednn(weight)
+    n, k = weight.shape
+    w = weight.detach().contiguous()
+    data = torch.empty(-(-n // 64) * 64 * (k + k % 2), dtype=w.dtype)  # panels of 64 channels
+    cpu_kernels.call("dense_pack_cpu", data.data_ptr(), w.data_ptr(), n, k, torch.get_num_threads())
+    return DensePacked(data, n, k)
+
+
+def take_packed(param: torch.Tensor, keep_plain: bool = False) -> Packed | None:
     """The parameter's weight prepacked when this CPU supports it (else None); unless
     ``keep_plain`` (a weight shared with the embedding), the plain copy is released."""
     if not packing_supported(param):
@@ -75,10 +110,12 @@ def row_buckets(max_rows: int) -> list[int]:
     return out
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ packed^T (+ bias) -> [M, N] (computed on M padded up to its bucket)."""
+def packed_linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ packed^T (+ bias) -> [M, N] (oneDNN: computed on M padded up to its bucket)."""
     if x.dim() != 2:
         return packed_linear(x.reshape(-1, x.shape[-1]), packed, bias).view(*x.shape[:-1], -1)
+    if isinstance(packed, DensePacked):
+        return _dense_linear(x, packed, bias)
     m = x.shape[0]
     mp = padded_rows(m)
     if mp != m:  # rows are independent: the padding rows' products are dropped
@@ -89,18 +126,34 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return _linear(x, packed, bias)
 
 
+def _dense_linear(x: torch.Tensor, w: DensePacked, bias: torch.Tensor | None) -> torch.Tensor:
+    if x.stride(1) != 1 or x.dtype != w.data.dtype:
+        x = x.contiguous().to(w.data.dtype)
+    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
+        bias = bias.to(x.dtype).contiguous()
+    out = torch.empty((x.shape[0], w.n), dtype=x.dtype)
+    if x.shape[0]:
+        cpu_kernels.call("dense_linear_cpu", out.data_ptr(), x.data_ptr(), w.data.data_ptr(),
+                         None if bias is None else bias.data_ptr(), x.shape[0], w.n, w.k,
+                         x.stride(0), out.stride(0), cpu_kernels.DTYPES[x.dtype],
+                         torch.get_num_threads())
+    return out
+
+
 def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return out
 
 
-def warm_up(packed: list[tuple[torch.Tensor, torch.Tensor | None]], max_rows: int) -> int:
+def warm_up(packed: list[tuple[Packed, torch.Tensor | None]], max_rows: int) -> int:
     """Build oneDNN's kernel of every row bucket up to ``max_rows`` for each distinct
     ``(packed weight [N, K], bias)`` shape, where the product is small enough for the kernel's
-    build to matter; returns how many products ran."""
+    build to matter; returns how many products ran (the C kernel builds nothing per shape)."""
     seen: set[tuple[tuple[int, ...], bool]] = set()
     runs = 0
     for weight, bias in packed:
+        if isinstance(weight, DensePacked):
+            continue
         n, k = weight.shape
         key = ((n, k), bias is not None)
         if key in seen:

@@ -4,7 +4,8 @@
 ``elementwise_cpu.c`` holds RMSNorm (+ fused residual add), SiLU-and-multiply, rotary embedding,
 the KV-cache store and grammar masks of logits, each one pass over memory; ``int8_linear_cpu.c``
 the int8 linear layers (activations quantized per row, VNNI dot products where the CPU has
-them). AVX-512 or AVX2 loops where the CPU has them, plain C elsewhere; float32 and bfloat16.
+them), ``dense_linear_cpu.c`` bfloat16 ones (AVX512-BF16). AVX-512 or AVX2 loops where the CPU
+has them, plain C elsewhere; float32 and bfloat16.
 
 The sources are compiled on first use with the system C compiler (``$CC``, else ``cc``) for this
 machine's CPU (``-O3 -march=native -fopenmp``) into ``<build dir>/<hash>/``, keyed by the
@@ -38,20 +39,21 @@ from kernels import cpu_isa, settings
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_attention_cpu.c", CSRC / "elementwise_cpu.c", CSRC / "int8_linear_cpu.c"]
+SOURCES = [CSRC / "paged_attention_cpu.c", CSRC / "elementwise_cpu.c", CSRC / "int8_linear_cpu.c",
+           CSRC / "dense_linear_cpu.c"]
 HEADERS = [CSRC / "cpu_common.h"]
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=fast", "-fno-math-errno",
          "-fno-trapping-math"]  # and -march for the CPU's class (kernels/cpu_isa.py)
 MAX_HEAD = 256  # the attention kernel keeps one key row of up to 16 x 16 floats in registers
 MAX_HIDDEN = 65536
-_DTYPES, _FP8 = {torch.float32: 0, torch.bfloat16: 1}, 2  # element types; 2: fp8 E4M3 caches
+DTYPES, _FP8 = {torch.float32: 0, torch.bfloat16: 1}, 2  # element types; 2: fp8 E4M3 caches
 
 
 def _kv_dtype(query_dtype: torch.dtype, cache: torch.Tensor) -> int | None:
     """The C type code of a cache read with ``query_dtype`` activations, None if unsupported."""
     if cache.dtype == torch.float8_e4m3fn:
         return _FP8
-    return _DTYPES[query_dtype] if cache.dtype == query_dtype else None
+    return DTYPES[query_dtype] if cache.dtype == query_dtype else None
 
 _c_int, _c_i64, _c_f, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
@@ -65,6 +67,8 @@ _SIGNATURES = {
                                                                              _c_f, _c_f],
     "int8_linear_cpu": [_ptr] * 6 + [_c_i64] * 5 + [_c_int, _c_int],
     "mask_logits_cpu": [_ptr, _c_i64, _ptr, _c_i64, _ptr, _c_i64, _c_i64, _c_int, _c_int],
+    "dense_supported_cpu": [_c_int], "dense_pack_cpu": [_ptr, _ptr, _c_i64, _c_i64, _c_int],
+    "dense_linear_cpu": [_ptr] * 4 + [_c_i64] * 5 + [_c_int, _c_int],
 }
 
 _lock = threading.Lock()
@@ -156,7 +160,7 @@ def _check(rc: int, name: str) -> None:
 
 def _rows_ok(t: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
     """A CPU [T, H] tensor of a supported type, contiguous along its last dim."""
-    return (t.device.type == "cpu" and t.dtype in _DTYPES and t.dim() == 2
+    return (t.device.type == "cpu" and t.dtype in DTYPES and t.dim() == 2
             and (dtype is None or t.dtype == dtype) and (t.stride(1) == 1 or t.shape[1] == 1))
 
 
@@ -167,7 +171,7 @@ def supports_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_q_heads, head_size = query.shape[1], query.shape[2]
     return (
         query.device.type == "cpu"
-        and query.dtype in _DTYPES and _kv_dtype(query.dtype, k_cache) is not None
+        and query.dtype in DTYPES and _kv_dtype(query.dtype, k_cache) is not None
         and v_cache.dtype == k_cache.dtype
         and query.stride(2) == 1 and query.stride(1) == head_size
         and k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -189,7 +193,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         block_tables.data_ptr(), seq_lens.data_ptr(), query_start_loc.data_ptr(),
         query.shape[0], block_tables.shape[0], query.shape[1], k_cache.shape[2], query.shape[2],
         k_cache.shape[1], block_tables.shape[1], query.stride(0), out.stride(0), scale,
-        sliding_window or 0, softcap or 0.0, _DTYPES[query.dtype],
+        sliding_window or 0, softcap or 0.0, DTYPES[query.dtype],
         _kv_dtype(query.dtype, k_cache), torch.get_num_threads()), "paged_attention_cpu")
     return out
 
@@ -211,7 +215,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     _check(_library().rms_norm_cpu(
         out.data_ptr(), x.data_ptr(), None if residual is None else residual.data_ptr(),
         weight.data_ptr(), x.shape[0], x.shape[1], x.stride(0),
-        0 if residual is None else residual.stride(0), out.stride(0), eps, _DTYPES[x.dtype],
+        0 if residual is None else residual.stride(0), out.stride(0), eps, DTYPES[x.dtype],
         torch.get_num_threads()), "rms_norm_cpu")
     return out
 
@@ -224,7 +228,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     inter = x.shape[1] // 2
     out = torch.empty((x.shape[0], inter), dtype=x.dtype)
     _check(_library().silu_and_mul_cpu(out.data_ptr(), x.data_ptr(), x.shape[0], inter, x.stride(0),
-                                 out.stride(0), _DTYPES[x.dtype], torch.get_num_threads()),
+                                 out.stride(0), DTYPES[x.dtype], torch.get_num_threads()),
            "silu_and_mul_cpu")
     return out
 
@@ -244,14 +248,14 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     _check(_library().rotary_cpu(
         positions.data_ptr(), query.data_ptr(), key.data_ptr(), cos_sin_cache.data_ptr(),
         query.shape[0], query.shape[1] // head_size, key.shape[1] // head_size, head_size,
-        query.stride(0), key.stride(0), cos_sin_cache.stride(0), _DTYPES[query.dtype],
+        query.stride(0), key.stride(0), cos_sin_cache.stride(0), DTYPES[query.dtype],
         torch.get_num_threads()), "rotary_cpu")
 
 
 def supports_store(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
     return (key.device.type == "cpu" and key.dim() == 3 and value.shape == key.shape
-            and key.dtype == value.dtype and key.dtype in _DTYPES
+            and key.dtype == value.dtype and key.dtype in DTYPES
             and k_cache.dtype == v_cache.dtype and _kv_dtype(key.dtype, k_cache) is not None
             and key.shape[2] <= MAX_HEAD
             and key.stride(2) == 1 and value.stride(2) == 1
@@ -268,22 +272,8 @@ def store_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
     _check(_library().store_kv_cpu(
         key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         slot_mapping.data_ptr(), key.shape[0], key.shape[1], key.shape[2], key.stride(0),
-        key.stride(1), value.stride(0), value.stride(1), _DTYPES[key.dtype],
+        key.stride(1), value.stride(0), value.stride(1), DTYPES[key.dtype],
         _kv_dtype(key.dtype, k_cache), 1.0 / k_scale, 1.0 / v_scale), "store_kv_cpu")
-
-
-def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, colsum: torch.Tensor,
-                n: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] (float32 or bfloat16, rows contiguous) times an int8 weight [n, K] in the layout of
-    ``int8_linear_cpu.c`` -> [M, n] in x's dtype: the contract of ``quant_linear.int8_linear``."""
-    m, k = x.shape
-    out = torch.empty((m, n), dtype=x.dtype)
-    if m:
-        _check(_library().int8_linear_cpu(
-            out.data_ptr(), x.data_ptr(), weight.data_ptr(), scale.data_ptr(), colsum.data_ptr(),
-            0 if bias is None else bias.data_ptr(), m, n, k, x.stride(0), out.stride(0),
-            _DTYPES[x.dtype], torch.get_num_threads()), "int8_linear_cpu")
-    return out
 
 
 def supports_mask(logits: torch.Tensor) -> bool:
@@ -296,5 +286,13 @@ def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) ->
     idx, bits = torch.tensor(rows, dtype=torch.int64), bitmask.to(torch.int32).contiguous()
     _check(_library().mask_logits_cpu(
         logits.data_ptr(), logits.stride(0), bits.data_ptr(), bits.shape[1], idx.data_ptr(),
-        len(rows), logits.shape[1], _DTYPES[logits.dtype], torch.get_num_threads()),
+        len(rows), logits.shape[1], DTYPES[logits.dtype], torch.get_num_threads()),
         "mask_logits_cpu")
+
+
+def call(name: str, *args: object) -> int:
+    """The library's ``name`` run on ``args``; RuntimeError on a negative (failure) code."""
+    rc = int(getattr(_library(), name)(*args))
+    if rc < 0:
+        raise RuntimeError(f"{name} failed with code {rc}")
+    return rc

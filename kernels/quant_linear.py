@@ -119,4 +119,11 @@ def int8_linear(x: torch.Tensor, w: Int8Packed, bias: torch.Tensor | None) -> to
         x = x.contiguous()
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
-    return cpu_kernels.int8_linear(x, w.weight, w.scale, w.colsum, w.n, bias)
+    out = torch.empty((x.shape[0], w.n), dtype=x.dtype)
+    if x.shape[0]:  # int8_linear_cpu.c
+        cpu_kernels.call("int8_linear_cpu", out.data_ptr(), x.data_ptr(), w.weight.data_ptr(),
+                         w.scale.data_ptr(), w.colsum.data_ptr(),
+                         0 if bias is None else bias.data_ptr(), x.shape[0], w.n, x.shape[1],
+                         x.stride(0), out.stride(0), cpu_kernels.DTYPES[x.dtype],
+                         torch.get_num_threads())
+    return out

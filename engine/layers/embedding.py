@@ -15,6 +15,7 @@ from engine.distributed import all_reduce, divide, gather_last_dim, tp_rank, tp_
 from engine.layers import weights
 from engine.loader import Loaded, ShardId, as_tensor, set_weight_loader, shard
 from kernels import quant_linear
+from kernels.cpu_gemm import Packed
 from kernels.quant_linear import Int8Packed
 
 
@@ -69,7 +70,7 @@ class ParallelLMHead(_VocabParallel):
 
     def __init__(self, vocab_size: int, hidden: int):
         super().__init__(vocab_size, hidden)
-        self.packed: torch.Tensor | None = None
+        self.packed: Packed | None = None
         self.int8: Int8Packed | None = None
 
     def pack_weights(self, tied: bool) -> None:

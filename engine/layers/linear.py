@@ -17,6 +17,7 @@ from engine.distributed import all_reduce, divide, tp_rank, tp_size
 from engine.layers import weights
 from engine.loader import Loaded, ShardId, TensorSlice, as_tensor, set_weight_loader, shard
 from kernels import quant_linear
+from kernels.cpu_gemm import Packed
 from kernels.fp8_linear import quantize_fp8
 from kernels.quant_linear import Int8Packed
 
@@ -65,7 +66,7 @@ class LinearBase(nn.Module):
             set_weight_loader(self.bias, self.weight_loader)
         else:
             self.register_parameter("bias", None)
-        self.packed: torch.Tensor | None = None  # the weight prepacked for oneDNN (CPU)
+        self.packed: Packed | None = None  # the weight prepacked for the CPU (cpu_gemm)
         self.quantization: str | None = None
         # int8: one float32 scale per output channel (a parameter: a quantized checkpoint
         # loads it, [out, 1] until ``finish_quantized``)

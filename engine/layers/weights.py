@@ -20,7 +20,7 @@ from kernels.quant_linear import Int8Packed
 
 
 class MatmulWeights(Protocol):
-    packed: torch.Tensor | None
+    packed: cpu_gemm.Packed | None
     int8: Int8Packed | None
 
     @property

@@ -257,17 +257,33 @@ static inline void transpose16(__m512i r[16]) {
     }
 }
 
-/* n <= 16 float key rows of D elements (row bytes apart) transposed: kt[d] lane t = k[t][d],
- * zero for t >= n. D % 16 == 0. */
-static inline void transpose_keys_f32(__m512i *kt, const char *kb, int n, size_t row, int D) {
-    for (int cg = 0; cg < D / 16; cg++) {
+/* n <= 16 key rows of `vecs` 64-byte vectors each (row bytes apart), transposed by 32-bit
+ * element: kt[16 c + e] lane t = element e of vector c of row t, zero for t >= n. For float32
+ * keys an element is k[t][d]; for bfloat16 keys the pair (k[t][2p], k[t][2p + 1]). */
+static inline void transpose_keys(__m512i *kt, const char *kb, int n, size_t row, int vecs) {
+    for (int c = 0; c < vecs; c++) {
         __m512i r[16];
         for (int t = 0; t < 16; t++)
-            r[t] = t < n ? _mm512_loadu_si512(kb + (size_t)t * row + 64 * cg) : _mm512_setzero_si512();
+            r[t] = t < n ? _mm512_loadu_si512(kb + (size_t)t * row + 64 * c) : _mm512_setzero_si512();
         transpose16(r);
-        for (int i = 0; i < 16; i++) _mm512_storeu_si512(kt + 16 * cg + i, r[i]);
+        for (int i = 0; i < 16; i++) _mm512_storeu_si512(kt + 16 * c + i, r[i]);
     }
 }
+
+/* A qk_heads function for nh heads, 8 at a time (NH a constant in each call). */
+#define QK_GROUP(heads_fn, kt, q, stride, s, nh)                                                   \
+    for (; nh > 0; nh -= 8, q += 8 * (stride), s += 128) {                                        \
+        switch (nh < 8 ? nh : 8) {                                                                \
+        case 1: heads_fn(kt, q, stride, s, 1); break;                                             \
+        case 2: heads_fn(kt, q, stride, s, 2); break;                                             \
+        case 3: heads_fn(kt, q, stride, s, 3); break;                                             \
+        case 4: heads_fn(kt, q, stride, s, 4); break;                                             \
+        case 5: heads_fn(kt, q, stride, s, 5); break;                                             \
+        case 6: heads_fn(kt, q, stride, s, 6); break;                                             \
+        case 7: heads_fn(kt, q, stride, s, 7); break;                                             \
+        default: heads_fn(kt, q, stride, s, 8); break;                                            \
+        }                                                                                         \
+    }
 
 /* Scores of NH heads for the 16 keys of kt (float32): s[h * 16 + t] = q_h . k_t, q_h at q + h * D. */
 static inline __attribute__((always_inline)) void qk_heads_f32(const __m512i *kt, const float *q,
@@ -286,33 +302,10 @@ static inline __attribute__((always_inline)) void qk_heads_f32(const __m512i *kt
 }
 
 static void qk_group_f32(const __m512i *kt, const float *q, int D, float *s, int nh) {
-    for (; nh > 0; nh -= 8, q += 8 * D, s += 128) {
-        switch (nh < 8 ? nh : 8) {
-        case 1: qk_heads_f32(kt, q, D, s, 1); break;
-        case 2: qk_heads_f32(kt, q, D, s, 2); break;
-        case 3: qk_heads_f32(kt, q, D, s, 3); break;
-        case 4: qk_heads_f32(kt, q, D, s, 4); break;
-        case 5: qk_heads_f32(kt, q, D, s, 5); break;
-        case 6: qk_heads_f32(kt, q, D, s, 6); break;
-        case 7: qk_heads_f32(kt, q, D, s, 7); break;
-        default: qk_heads_f32(kt, q, D, s, 8); break;
-        }
-    }
+    QK_GROUP(qk_heads_f32, kt, q, D, s, nh)
 }
 
 #ifdef __AVX512BF16__
-/* n <= 16 bfloat16 key rows of D elements (kv_row bytes apart) transposed by element pairs:
- * kt[p] lane t = (k[t][2p], k[t][2p + 1]), zero for t >= n. D % 32 == 0. */
-static inline void transpose_keys(__m512i *kt, const char *kb, int n, size_t kv_row, int D) {
-    for (int cg = 0; cg < D / 32; cg++) {
-        __m512i r[16];
-        for (int t = 0; t < 16; t++)
-            r[t] = t < n ? _mm512_loadu_si512(kb + (size_t)t * kv_row + 64 * cg) : _mm512_setzero_si512();
-        transpose16(r);
-        for (int i = 0; i < 16; i++) _mm512_storeu_si512(kt + 16 * cg + i, r[i]);
-    }
-}
-
 /* Raw scores of NH heads for the 16 keys of kt: s[h * 16 + t] = q_h . k_t, q_h the bfloat16 pairs
  * at q + h * P (P = D / 2 pairs). Two chains per head hide the dot products' latency. */
 static inline __attribute__((always_inline)) void qk_heads(const __m512i *kt, const uint32_t *q,
@@ -330,23 +323,12 @@ static inline __attribute__((always_inline)) void qk_heads(const __m512i *kt, co
 }
 
 static void qk_group(const __m512i *kt, const uint32_t *q, int P, float *s, int nh) {
-    for (; nh > 0; nh -= 8, q += 8 * P, s += 128) {
-        switch (nh < 8 ? nh : 8) {
-        case 1: qk_heads(kt, q, P, s, 1); break;
-        case 2: qk_heads(kt, q, P, s, 2); break;
-        case 3: qk_heads(kt, q, P, s, 3); break;
-        case 4: qk_heads(kt, q, P, s, 4); break;
-        case 5: qk_heads(kt, q, P, s, 5); break;
-        case 6: qk_heads(kt, q, P, s, 6); break;
-        case 7: qk_heads(kt, q, P, s, 7); break;
-        default: qk_heads(kt, q, P, s, 8); break;
-        }
-    }
+    QK_GROUP(qk_heads, kt, q, P, s, nh)
 }
 #endif
 
 /* The decode path (one query row) for D = 16 * DC: keys in chunks of 16, transposed once per kv
- * head (transpose_keys, transpose_keys_f32) so that the group's scores come out one key per lane
+ * head (transpose_keys) so that the group's scores come out one key per lane
  * (qk_group, qk_group_f32), the softmax on that vector, and values accumulated with HG heads'
  * accumulators held in registers. On CPUs with AVX512-BF16, bfloat16 scores and values go through
  * dot-product instructions on the cached rows as they are (an fp8 cache's chunk converted to
@@ -417,7 +399,7 @@ static inline __attribute__((always_inline)) void attend_row_dc(
                 __m512i *kt = (__m512i *)(w->kbuf + (size_t)16 * D);
 #ifdef __AVX512BF16__
                 if (direct) {
-                    transpose_keys(kt, kb, n, kv_row, D);
+                    transpose_keys(kt, kb, n, kv_row, D / 32);
                     qk_group(kt, (const uint32_t *)(q_row + (size_t)kvh * group * D * es), D / 2,
                              w->s + (size_t)kvh * group * 16, group);
                 }
@@ -430,7 +412,7 @@ static inline __attribute__((always_inline)) void attend_row_dc(
                         rows = (const char *)w->kbuf;
                         row = sizeof(float) * D;
                     }
-                    transpose_keys_f32(kt, rows, n, row, D);
+                    transpose_keys(kt, rows, n, row, D / 16);
                     qk_group_f32(kt, w->q + (size_t)kvh * group * D, D, w->s + (size_t)kvh * group * 16, group);
                 }
                 for (int h = kvh * group; h < (kvh + 1) * group; h++) {

@@ -233,7 +233,7 @@ def test_packed_linear_gives_the_bits_of_f_linear(rows):
     weight = torch.randn(96, 40).bfloat16()
     bias = torch.randn(96).bfloat16()
     x = torch.randn(rows, 40).bfloat16()
-    packed = cpu_gemm.pack(weight)
+    packed = cpu_gemm.pack_onednn(weight)
     assert torch.equal(cpu_gemm.packed_linear(x, packed, bias), F.linear(x, weight, bias))
     assert torch.equal(cpu_gemm.packed_linear(x, packed, None), F.linear(x, weight))
 
@@ -261,13 +261,49 @@ def test_packed_rows_run_in_few_buckets_of_little_padding():
 @pytest.mark.skipif(not cpu_gemm.packing_supported(torch.empty(2, 2, dtype=torch.bfloat16)),
                     reason="no oneDNN bfloat16 support on this CPU")
 def test_warm_up_runs_each_weight_shape_once_per_bucket():
-    a, b, c = (cpu_gemm.pack(torch.randn(n, 32).bfloat16()) for n in (48, 48, 80))
+    a, b, c = (cpu_gemm.pack_onednn(torch.randn(n, 32).bfloat16()) for n in (48, 48, 80))
     bias = torch.zeros(48).bfloat16()
     # a and b share a shape; with a bias it is another kernel
     assert cpu_gemm.warm_up([(a, None), (b, None), (c, None), (a, bias)], 100) == 3 * 57
     # a product too big for its kernel's build to matter is left to its first use
-    big = cpu_gemm.pack(torch.randn(1 << 16, 1 << 10).bfloat16())  # 2**26 multiply-adds a row
+    big = cpu_gemm.pack_onednn(torch.randn(1 << 16, 1 << 10).bfloat16())  # 2**26 MACs a row
     assert cpu_gemm.warm_up([(big, None)], 100) == 4
+
+
+_DENSE = pytest.mark.skipif(not cpu_gemm.dense_kernel_used(torch.empty(2, 2, dtype=torch.bfloat16)),
+                            reason="the C dense kernel serves the avx512_bf16 class only")
+
+
+@_DENSE
+@pytest.mark.parametrize("n,k", [(64, 896), (100, 33), (151, 7), (1152, 896), (130, 4864)])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 29, 64, 301])
+def test_dense_bfloat16_linear_matches_float64(n, k, rows):
+    # channels past a panel of 64, odd inputs, row tiles of 6 and their remainders; sums in
+    # float32 in another order than oneDNN's: within one bfloat16 rounding of the exact product
+    torch.manual_seed(n * rows + k)
+    weight, bias = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
+    base = torch.randn(rows, k + 3).bfloat16()
+    packed = cpu_gemm.pack(weight)
+    assert isinstance(packed, cpu_gemm.DensePacked) and (packed.n, packed.k) == (n, k)
+    for x in (base[:, :k], base[:, :k].contiguous()):  # rows strided and contiguous
+        for b in (None, bias):
+            exact = x.double() @ weight.double().T + (0 if b is None else b.double())
+            got = cpu_gemm.packed_linear(x, packed, b)
+            assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+            torch.testing.assert_close(got.double(), exact, rtol=2**-7, atol=1e-2)
+            assert torch.equal(got, cpu_gemm.packed_linear(x.contiguous(), packed, b))
+
+
+@_DENSE
+def test_dense_linear_needs_no_warm_up_and_pads_to_panels():
+    weight = torch.randn(70, 16).bfloat16()
+    packed = cpu_gemm.pack(weight)
+    assert cpu_gemm.warm_up([(packed, None)], 64) == 0
+    assert packed.data.numel() == 128 * 16  # two panels of 64 channels, the second padded
+    x = torch.randn(3, 16).bfloat16()
+    out = cpu_gemm.packed_linear(x, packed, None)
+    assert out.shape == (3, 70) and torch.isfinite(out).all()
+    assert cpu_gemm.packed_linear(x[:0], packed, None).shape == (0, 70)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
