@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import cpu_gemm
 
 BENCH = Path(__file__).resolve().parents[2] / "load_tests" / "kernel_bench.py"
 
@@ -21,3 +27,18 @@ def test_kernel_bench_smoke(capsys):
     ]
     assert all(r["ms"] > 0 and r["peer_ms"] > 0 for r in rows)
     assert "benchmark" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not cpu_gemm.packing_supported(torch.empty(2, 2, dtype=torch.bfloat16)),
+                    reason="bfloat16 products are prepacked only where bfloat16 is native")
+def test_gemm_bench_prints_both_products(capsys):
+    path = BENCH.with_name("gemm_bench.py")
+    spec = importlib.util.spec_from_file_location("gemm_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--rows", "1,7", "--layers", "1", "--rounds", "1"])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["rows"] for r in lines] == [1, 7]
+    used = cpu_gemm.dense_kernel_used(torch.empty(2, 2, dtype=torch.bfloat16))
+    assert all(r["pagedserve_kernel"] == ("c" if used else "onednn") for r in lines)
+    assert all(r["pagedserve_ms"] > 0 and r["onednn_ms"] > 0 for r in lines)
