@@ -59,12 +59,19 @@ class DensePacked(NamedTuple):
 Packed = torch.Tensor | DensePacked  # a oneDNN tensor, or the C kernel's layout
 
 
+def _dense_panel(dtype: torch.dtype) -> int:
+    """The C kernel's panel width for ``dtype`` weights in the built library, 0 if it has none."""
+    if dtype not in cpu_kernels.DTYPES or not cpu_kernels.available():
+        return 0
+    return cpu_kernels.call("dense_supported_cpu", cpu_kernels.DTYPES[dtype])
+
+
 def dense_kernel_used(weight: torch.Tensor) -> bool:
-    """Whether a packable weight goes to the C kernel: bfloat16 on the ``avx512_bf16`` class
-    (AMX machines keep oneDNN's AMX kernels: no AMX machine has measured the two)."""
-    return (weight.dtype == torch.bfloat16 and cpu_isa.isa_class() == "avx512_bf16"
-            and cpu_kernels.available()
-            and cpu_kernels.call("dense_supported_cpu", cpu_kernels.DTYPES[weight.dtype]) == 1)
+    """Whether a packable weight goes to the C kernel: float32 on the avx2, avx512 and
+    avx512_bf16 classes, bfloat16 on avx512_bf16 (AMX machines keep oneDNN's AMX kernels: no
+    AMX machine has measured the two)."""
+    return (cpu_isa.isa_class() in ("avx2", "avx512", "avx512_bf16")
+            and _dense_panel(weight.dtype) > 0)
 
 
 def pack_onednn(weight: torch.Tensor) -> torch.Tensor:
@@ -78,9 +85,11 @@ def pack(weight: torch.Tensor) -> Packed:
     if not dense_kernel_used(weight):
         return pack_onednn(weight)
     n, k = weight.shape
-    w = weight.detach().contiguous()
-    data = torch.empty(-(-n // 64) * 64 * (k + k % 2), dtype=w.dtype)  # panels of 64 channels
-    cpu_kernels.call("dense_pack_cpu", data.data_ptr(), w.data_ptr(), n, k, torch.get_num_threads())
+    w, panel = weight.detach().contiguous(), _dense_panel(weight.dtype)
+    inputs = k + k % 2 if w.dtype == torch.bfloat16 else k  # bfloat16 inputs go in pairs
+    data = torch.empty(-(-n // panel) * panel * inputs, dtype=w.dtype)
+    cpu_kernels.call("dense_pack_cpu", data.data_ptr(), w.data_ptr(), n, k,
+                     cpu_kernels.DTYPES[w.dtype], torch.get_num_threads())
     return DensePacked(data, n, k)
 
 

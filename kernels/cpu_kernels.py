@@ -4,7 +4,7 @@
 ``elementwise_cpu.c`` holds RMSNorm (+ fused residual add), SiLU-and-multiply, rotary embedding,
 the KV-cache store and grammar masks of logits, each one pass over memory; ``int8_linear_cpu.c``
 the int8 linear layers (activations quantized per row, VNNI dot products where the CPU has
-them), ``dense_linear_cpu.c`` bfloat16 ones (AVX512-BF16). AVX-512 or AVX2 loops where the CPU
+them), ``dense_linear_cpu.c`` float32 and bfloat16 ones. AVX-512 or AVX2 loops where the CPU
 has them, plain C elsewhere; float32 and bfloat16.
 
 The sources are compiled on first use with the system C compiler (``$CC``, else ``cc``) for this
@@ -67,7 +67,7 @@ _SIGNATURES = {
                                                                              _c_f, _c_f],
     "int8_linear_cpu": [_ptr] * 6 + [_c_i64] * 5 + [_c_int, _c_int],
     "mask_logits_cpu": [_ptr, _c_i64, _ptr, _c_i64, _ptr, _c_i64, _c_i64, _c_int, _c_int],
-    "dense_supported_cpu": [_c_int], "dense_pack_cpu": [_ptr, _ptr, _c_i64, _c_i64, _c_int],
+    "dense_supported_cpu": [_c_int], "dense_pack_cpu": [_ptr, _ptr, _c_i64, _c_i64, _c_int, _c_int],
     "dense_linear_cpu": [_ptr] * 4 + [_c_i64] * 5 + [_c_int, _c_int],
 }
 

@@ -51,11 +51,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     keep_freed_memory()  # as the engine: outputs reuse freed memory, no page faults per call
-    shapes, dtype = SHAPES[args.shape], torch.bfloat16
+    shapes, dtype = SHAPES[args.shape], getattr(torch, args.dtype)
     plain = [[torch.randn(n, k).to(dtype) for k, n in shapes] for _ in range(args.layers)]
     ours = [[cpu_gemm.pack(w) for w in layer] for layer in plain]
     onednn = [[cpu_gemm.pack_onednn(w) for w in layer] for layer in plain]
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
                 times[name].append(seconds(lambda w=w, x=inputs: run_layers(w, x, shapes)))
         med = {name: statistics.median(t) for name, t in times.items()}
         print(json.dumps({
-            "rows": m, "layers": args.layers, "dtype": "bfloat16", "pagedserve_kernel": kernel,
+            "rows": m, "layers": args.layers, "dtype": args.dtype, "pagedserve_kernel": kernel,
             "pagedserve_ms": round(med["pagedserve"] * 1e3, 2),
             "onednn_ms": round(med["onednn"] * 1e3, 2),
             "pagedserve_gflops": round(2 * m * macs / med["pagedserve"] / 1e9, 1),

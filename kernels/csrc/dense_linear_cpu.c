@@ -1,6 +1,6 @@
-/* Dense linear layers on the CPU: out = x @ w^T (+ bias), bfloat16 x, w, bias and out, float32
- * sums, on CPUs with AVX512-BF16 (vdpbf16ps: per 32-bit lane, a pair of bfloat16 products
- * added to a float32 sum).
+/* Dense linear layers on the CPU: out = x @ w^T (+ bias), x, w, bias and out of one type, sums in
+ * float32. bfloat16 on CPUs with AVX512-BF16 (vdpbf16ps: per 32-bit lane, a pair of bfloat16
+ * products added to a float32 sum); float32 with AVX-512 or AVX2 FMAs.
  *
  * Weight layout ("packed", made once by dense_pack_cpu): output channels in panels of PW = 64,
  * inputs in pairs (K2 = K rounded up to 2, halved; missing channels and inputs are zero). Panel p
@@ -9,7 +9,9 @@
  *     packed[((p * K2 + k2) * 64 + c) * 2 + i] = w[64 p + c, 2 k2 + i]
  *
  * so one pair step of a panel is four 64-byte loads, each one operand of vdpbf16ps for 16
- * channels. A register tile is MR rows x the panel's 64 channels (24 float32 accumulators); a
+ * channels. float32 weights: panels of PW32 channels (64 with AVX-512, 16 with AVX2), one input
+ * at a time, packed[(p * K + k) * PW32 + c] = w[PW32 p + c, k]. A register tile is MR rows x a
+ * panel's channels (24 float32 accumulators with AVX-512, 12 with AVX2); a
  * panel's rows run tile after tile, so the panel is read from memory once and then from the
  * core's cache. Panels are split over the threads in contiguous ranges.
  *
@@ -28,45 +30,66 @@
 
 #include <omp.h>
 
-#define PW 64 /* output channels per panel */
+#define PW 64 /* bfloat16: output channels per panel */
 #define MR 6  /* rows per register tile */
+#define PF_TILES 16 /* a product of more tiles computes long enough per panel: no prefetch */
+#if defined(__AVX512F__)
+#define PW32 64
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PW32 16
+#endif
 
-/* 1 when this build has the kernel for `dtype` (1 = bfloat16). */
+/* The panel width of this build's kernel for `dtype` (0 = float32, 1 = bfloat16), 0 if none. */
 int dense_supported_cpu(int dtype) {
 #ifdef __AVX512BF16__
-    return dtype == 1;
-#else
-    (void)dtype;
-    return 0;
+    if (dtype == 1) return PW;
 #endif
+#ifdef PW32
+    if (dtype == 0) return PW32;
+#endif
+    return 0;
 }
 
-/* w [N, K] bfloat16, rows contiguous -> dst in the layout above: ceil(N / 64) * 64 *
- * (K rounded up to 2) elements. */
-int dense_pack_cpu(uint16_t *dst, const uint16_t *w, int64_t N, int64_t K, int num_threads) {
-    const int64_t K2 = (K + 1) / 2, P = (N + PW - 1) / PW;
+/* w [N, K] of `dtype`, rows contiguous -> dst in the layout above (bfloat16: ceil(N / 64) * 64 *
+ * (K rounded up to 2) elements; float32: ceil(N / PW32) * PW32 * K). -1 if unsupported. */
+int dense_pack_cpu(void *dst, const void *w, int64_t N, int64_t K, int dtype, int num_threads) {
+    const int pw = dense_supported_cpu(dtype);
+    if (!pw) return -1;
+    const int64_t P = (N + pw - 1) / pw, steps = dtype == 1 ? (K + 1) / 2 : K, g = dtype == 1 ? 2 : 1;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t p = 0; p < P; p++)
-        for (int64_t k2 = 0; k2 < K2; k2++)
-            for (int c = 0; c < PW; c++)
-                for (int i = 0; i < 2; i++) {
-                    const int64_t n = p * PW + c, k = 2 * k2 + i;
-                    dst[((p * K2 + k2) * PW + c) * 2 + i] = n < N && k < K ? w[n * K + k] : 0;
+        for (int64_t s = 0; s < steps; s++)
+            for (int c = 0; c < pw; c++)
+                for (int i = 0; i < g; i++) {
+                    const int64_t n = p * pw + c, k = g * s + i, at = ((p * steps + s) * pw + c) * g + i;
+                    if (dtype == 1)
+                        ((uint16_t *)dst)[at] = n < N && k < K ? ((const uint16_t *)w)[n * K + k] : 0;
+                    else
+                        ((float *)dst)[at] = n < N && k < K ? ((const float *)w)[n * K + k] : 0.0f;
                 }
     return 0;
 }
 
-#ifdef __AVX512BF16__
-/* Prefetch lines [0, n) of `pf` at `rate` lines per pair step: step k2 takes its share. */
-static inline __attribute__((always_inline)) void prefetch_share(const char *pf, int64_t k2, int rate,
+#if defined(__AVX512BF16__) || defined(PW32)
+/* Prefetch lines [0, n) of `pf` at `rate` lines per step: step s takes its share. */
+static inline __attribute__((always_inline)) void prefetch_share(const char *pf, int64_t s, int rate,
                                                                   int64_t n) {
     for (int q = 0; q < rate; q++)
-        if (k2 * rate + q < n) _mm_prefetch(pf + (k2 * rate + q) * 64, _MM_HINT_T0);
+        if (s * rate + q < n) _mm_prefetch(pf + (s * rate + q) * 64, _MM_HINT_T0);
 }
 
-/* One tile: rows x[0..MRC) (row stride sx) times panel wp, written to out (row stride so) for
- * the panel's first `ncols` channels, bias (the panel's part, or NULL) added before rounding. */
-static inline __attribute__((always_inline)) void tile(
+/* Channels of a panel's vector j (of `width`) that exist: 0..width. */
+static inline int live_cols(int ncols, int j, int width) {
+    const int left = ncols - width * j;
+    return left < 0 ? 0 : (left > width ? width : left);
+}
+#endif
+
+#ifdef __AVX512BF16__
+/* One bfloat16 tile: rows x[0..MRC) (row stride sx) times panel wp, written to out (row stride
+ * so) for the panel's first `ncols` channels, bias (the panel's part, or NULL) added before
+ * rounding; pf, pfn, rate: the share of the next panel this tile prefetches. */
+static inline __attribute__((always_inline)) void tile_bf16(
     const uint16_t *x, int64_t sx, int64_t K, const uint16_t *wp, uint16_t *out, int64_t so,
     int ncols, const uint16_t *bias, const char *pf, int64_t pfn, int rate, const int MRC) {
     __m512 c[MR][4];
@@ -98,66 +121,149 @@ static inline __attribute__((always_inline)) void tile(
     }
     __m512 b[4];
     for (int j = 0; j < 4; j++) {
-        const int live = ncols - 16 * j < 0 ? 0 : (ncols - 16 * j > 16 ? 16 : ncols - 16 * j);
-        const __mmask16 m = (__mmask16)((1u << live) - 1);
+        const __mmask16 m = (__mmask16)((1u << live_cols(ncols, j, 16)) - 1);
         b[j] = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
                           _mm256_maskz_loadu_epi16(m, bias + 16 * j)), 16))
                     : _mm512_setzero_ps();
     }
     for (int i = 0; i < MRC; i++)
         for (int j = 0; j < 4; j++) {
-            const int live = ncols - 16 * j < 0 ? 0 : (ncols - 16 * j > 16 ? 16 : ncols - 16 * j);
+            const int live = live_cols(ncols, j, 16);
             const __m256i y = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(c[i][j], b[j]));
             if (live == 16) _mm256_storeu_si256((__m256i *)(out + i * so + 16 * j), y);
             else if (live > 0) _mm256_mask_storeu_epi16(out + i * so + 16 * j, (__mmask16)((1u << live) - 1), y);
         }
 }
+#endif
 
-static void tile_rows(const uint16_t *x, int64_t sx, int64_t K, const uint16_t *wp, uint16_t *out,
-                      int64_t so, int ncols, const uint16_t *bias, const char *pf, int64_t pfn,
-                      int rate, int mr) {
-#define TILE(R) tile(x, sx, K, wp, out, so, ncols, bias, pf, pfn, rate, R)
-    switch (mr) {
-    case 1: TILE(1); break;
-    case 2: TILE(2); break;
-    case 3: TILE(3); break;
-    case 4: TILE(4); break;
-    case 5: TILE(5); break;
-    default: TILE(6); break;
-    }
-#undef TILE
+#if defined(PW32) && defined(__AVX512F__)
+#define NV 4 /* vectors of 16 channels per float32 panel */
+typedef __m512 vacc;
+static inline vacc acc_zero(void) { return _mm512_setzero_ps(); }
+static inline vacc acc_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline vacc acc_fma(vacc a, float x, vacc w) { return _mm512_fmadd_ps(_mm512_set1_ps(x), w, a); }
+static inline vacc acc_add(vacc a, vacc b) { return _mm512_add_ps(a, b); }
+static inline vacc acc_load_n(const float *p, int n) { return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p); }
+static inline void acc_store_n(float *p, vacc v, int n) {
+    if (n == 16) _mm512_storeu_ps(p, v);
+    else if (n > 0) _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), v);
+}
+#elif defined(PW32)
+#define NV 2 /* vectors of 8 channels per float32 panel */
+typedef __m256 vacc;
+static inline __m256i lanes_below(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+static inline vacc acc_zero(void) { return _mm256_setzero_ps(); }
+static inline vacc acc_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline vacc acc_fma(vacc a, float x, vacc w) { return _mm256_fmadd_ps(_mm256_set1_ps(x), w, a); }
+static inline vacc acc_add(vacc a, vacc b) { return _mm256_add_ps(a, b); }
+static inline vacc acc_load_n(const float *p, int n) { return _mm256_maskload_ps(p, lanes_below(n)); }
+static inline void acc_store_n(float *p, vacc v, int n) {
+    if (n == 8) _mm256_storeu_ps(p, v);
+    else if (n > 0) _mm256_maskstore_ps(p, lanes_below(n), v);
 }
 #endif
 
-/* out [M, N] (row stride so) = x [M, K] (row stride sx) @ w^T (+ bias [N]), w packed as above.
- * Returns 0, or -1 when this build has no kernel for `dtype` (1 = bfloat16). */
+#ifdef PW32
+#define VL (PW32 / NV) /* channels per vector */
+#define KC 128        /* inputs per partial sum */
+/* One float32 tile, as tile_bf16 with one input per step. */
+static inline __attribute__((always_inline)) void tile_f32(
+    const float *x, int64_t sx, int64_t K, const float *wp, float *out, int64_t so, int ncols,
+    const float *bias, const char *pf, int64_t pfn, int rate, const int MRC) {
+    vacc c[MR][NV], sum[MR][NV]; /* sums of KC inputs at a time, added up (a shorter chain of
+                                   * roundings than one sum over K: F.linear's accuracy) */
+    for (int i = 0; i < MRC; i++)
+        for (int j = 0; j < NV; j++) sum[i][j] = acc_zero();
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t k1 = k0 + KC < K ? k0 + KC : K;
+        for (int i = 0; i < MRC; i++)
+            for (int j = 0; j < NV; j++) c[i][j] = acc_zero();
+        for (int64_t k = k0; k < k1; k++) {
+            vacc w[NV];
+            for (int j = 0; j < NV; j++) w[j] = acc_load(wp + k * PW32 + VL * j);
+            if (pf) prefetch_share(pf, k, rate, pfn);
+            for (int i = 0; i < MRC; i++) {
+                const float xv = x[i * sx + k];
+                for (int j = 0; j < NV; j++) c[i][j] = acc_fma(c[i][j], xv, w[j]);
+            }
+        }
+        for (int i = 0; i < MRC; i++)
+            for (int j = 0; j < NV; j++) sum[i][j] = acc_add(sum[i][j], c[i][j]);
+    }
+    for (int i = 0; i < MRC; i++)
+        for (int j = 0; j < NV; j++) c[i][j] = sum[i][j];
+    for (int j = 0; j < NV; j++) {
+        const int live = live_cols(ncols, j, VL);
+        const vacc b = bias ? acc_load_n(bias + VL * j, live) : acc_zero();
+        for (int i = 0; i < MRC; i++) acc_store_n(out + i * so + VL * j, acc_add(c[i][j], b), live);
+    }
+}
+#endif
+
+#if defined(__AVX512BF16__) || defined(PW32)
+/* Tile t of panel p (a tile of mr rows), for either element type. */
+static void tile_rows(int dtype, const void *x, int64_t sx, int64_t K, const void *wp, void *out,
+                      int64_t so, int ncols, const void *bias, const char *pf, int64_t pfn,
+                      int rate, int mr) {
+#define TILES(fn, T)                                                                           \
+    switch (mr) {                                                                              \
+    case 1: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, pfn, rate, 1); break; \
+    case 2: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, pfn, rate, 2); break; \
+    case 3: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, pfn, rate, 3); break; \
+    case 4: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, pfn, rate, 4); break; \
+    case 5: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, pfn, rate, 5); break; \
+    default: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, pfn, rate, 6); break; \
+    }
+#ifdef __AVX512BF16__
+    if (dtype == 1) {
+        TILES(tile_bf16, uint16_t)
+        return;
+    }
+#endif
+#ifdef PW32
+    TILES(tile_f32, float)
+#endif
+#undef TILES
+    (void)dtype;
+}
+#endif
+
+/* out [M, N] (row stride so) = x [M, K] (row stride sx) @ w^T (+ bias [N]), w packed as above,
+ * all of `dtype`. Returns 0, or -1 when this build has no kernel for `dtype`. */
 int dense_linear_cpu(void *out, const void *x, const void *packed, const void *bias, int64_t M,
                      int64_t N, int64_t K, int64_t sx, int64_t so, int dtype, int num_threads) {
-    if (!dense_supported_cpu(dtype)) return -1;
-#ifdef __AVX512BF16__
-    const int64_t K2 = (K + 1) / 2, P = (N + PW - 1) / PW, T = (M + MR - 1) / MR;
-    const int64_t panel = K2 * 2 * PW, lines = panel * 2 / 64; /* a panel's elements, its lines */
+    const int pw = dense_supported_cpu(dtype);
+    if (!pw) return -1;
+#if defined(__AVX512BF16__) || defined(PW32)
+    const size_t es = dtype == 1 ? 2 : 4;
+    const int64_t steps = dtype == 1 ? (K + 1) / 2 : K; /* a panel's k steps, 256 or 64 B each */
+    const int64_t P = (N + pw - 1) / pw, T = (M + MR - 1) / MR;
+    const int64_t panel = steps * (dtype == 1 ? 2 : 1) * pw; /* elements */
+    const int64_t lines = panel * (int64_t)es / 64;
     const int nt = (int)(P < num_threads ? P : num_threads);
 #pragma omp parallel num_threads(nt)
     {
         const int64_t id = omp_get_thread_num(), p0 = P * id / nt, p1 = P * (id + 1) / nt;
         for (int64_t p = p0; p < p1; p++) {
-            const uint16_t *wp = (const uint16_t *)packed + p * panel;
-            const int ncols = (int)(N - p * PW < PW ? N - p * PW : PW);
-            const uint16_t *pb = bias ? (const uint16_t *)bias + p * PW : NULL;
+            const char *wp = (const char *)packed + (size_t)(p * panel) * es;
+            const int ncols = (int)(N - p * pw < pw ? N - p * pw : pw);
+            const char *pb = bias ? (const char *)bias + (size_t)(p * pw) * es : NULL;
             for (int64_t t = 0; t < T; t++) {
                 const char *pf = NULL;
                 int64_t pfn = 0;
                 int rate = 0;
-                if (T > 1 && p + 1 < p1) { /* tile t prefetches its share of the next panel */
+                if (T > 1 && T <= PF_TILES && p + 1 < p1) { /* this tile's share of the next panel */
                     const int64_t a = t * lines / T, b = (t + 1) * lines / T;
-                    pf = (const char *)(wp + panel) + a * 64;
+                    pf = wp + (size_t)panel * es + a * 64;
                     pfn = b - a;
-                    rate = (int)((pfn + K2 - 1) / K2);
+                    rate = (int)((pfn + steps - 1) / steps);
                 }
                 const int mr = (int)(M - t * MR < MR ? M - t * MR : MR);
-                tile_rows((const uint16_t *)x + t * MR * sx, sx, K, wp,
-                          (uint16_t *)out + t * MR * so + p * PW, so, ncols, pb, pf, pfn, rate, mr);
+                tile_rows(dtype, (const char *)x + (size_t)(t * MR * sx) * es, sx, K, wp,
+                          (char *)out + (size_t)(t * MR * so + p * pw) * es, so, ncols, pb, pf,
+                          pfn, rate, mr);
             }
         }
     }

@@ -240,10 +240,10 @@ def test_packed_linear_gives_the_bits_of_f_linear(rows):
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 def test_packed_float32_linear_matches_f_linear(rows):
-    # float32 weights are prepacked on every CPU (MKL's sgemm is slower on decode shapes)
+    # float32 weights are prepacked on every CPU (MKL's sgemm is slower on decode shapes): oneDNN
     weight, bias, x = torch.randn(96, 40), torch.randn(96), torch.randn(rows, 40)
     assert cpu_gemm.packing_supported(weight)
-    packed = cpu_gemm.pack(weight)
+    packed = cpu_gemm.pack_onednn(weight)
     torch.testing.assert_close(cpu_gemm.packed_linear(x, packed, bias), F.linear(x, weight, bias))
     assert cpu_gemm.warm_up([(packed, bias)], 16) == 16
 
@@ -292,6 +292,26 @@ def test_dense_bfloat16_linear_matches_float64(n, k, rows):
             assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
             torch.testing.assert_close(got.double(), exact, rtol=2**-7, atol=1e-2)
             assert torch.equal(got, cpu_gemm.packed_linear(x.contiguous(), packed, b))
+
+
+@pytest.mark.skipif(not cpu_gemm.dense_kernel_used(torch.empty(2, 2)),
+                    reason="no float32 C dense kernel for this CPU class")
+@pytest.mark.parametrize("n,k", [(64, 896), (100, 33), (151, 7), (130, 4864)])
+@pytest.mark.parametrize("rows", [1, 6, 7, 29, 301])
+def test_dense_float32_linear_is_as_accurate_as_f_linear(n, k, rows):
+    # a float32 sum in another order: its error against float64 is of F.linear's size
+    torch.manual_seed(n * rows + k)
+    weight, bias = torch.randn(n, k), torch.randn(n)
+    x = torch.randn(rows, k + 3)[:, :k]
+    packed = cpu_gemm.pack(weight)
+    assert isinstance(packed, cpu_gemm.DensePacked)
+    for b in (None, bias):
+        exact = x.double() @ weight.double().T + (0 if b is None else b.double())
+        got = cpu_gemm.packed_linear(x, packed, b)
+        assert got.dtype == torch.float32 and got.shape == (rows, n)
+        ours = (got.double() - exact).abs().max().item()
+        theirs = (F.linear(x, weight, b).double() - exact).abs().max().item()
+        assert ours <= 4 * theirs + 1e-5
 
 
 @_DENSE
