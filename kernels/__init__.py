@@ -5,8 +5,8 @@ matmuls on the CPU).
 |---|---|
 | `ops.py` | entry points and the backend switch ("auto": Triton on CUDA, C kernels or references on CPU) |
 | `cpu_kernels.py` | builds, loads (ctypes) and calls the C kernels of `csrc/` for CPU tensors |
-| `csrc/` | C: paged attention, RMSNorm, SiLU-and-mul, rotary, KV store (AVX-512 paths, OpenMP) |
-| `cpu_gemm.py` | bfloat16 linear layers on the CPU with weights prepacked once for oneDNN |
+| `csrc/` | C: paged attention, RMSNorm, SiLU-and-mul, rotary, KV store, int8 and dense linear layers (AVX-512/AVX2 paths, OpenMP) |
+| `cpu_gemm.py` | linear layers on the CPU with weights prepacked once (the C dense kernel, or oneDNN) |
 | `rms_norm.py` | RMSNorm and fused residual-add + RMSNorm (residual updated in place) |
 | `activation.py` | SiLU-and-multiply |
 | `rotary.py` | rotary embedding of q and k in place from the cos/sin cache |
