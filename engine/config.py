@@ -125,8 +125,8 @@ class DeviceConfig(_Strict):
     )
     cpu_packed_gemm: bool = Field(
         default_factory=lambda: envs.settings().cpu_packed_gemm,
-        description="On the CPU, prepack linear weights (C dense kernel or oneDNN; else F.linear). Default: "
-        "on, unless PAGEDSERVE_CPU_PACKED_GEMM=0.",
+        description="On the CPU, prepack linear weights for the C dense kernel or oneDNN (else "
+        "F.linear). Default: on, unless PAGEDSERVE_CPU_PACKED_GEMM=0.",
     )
     kernel_build_dir: str | None = Field(
         None, description="Where the C kernels are built; None: <cache dir>/kernels "
