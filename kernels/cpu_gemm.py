@@ -1,17 +1,19 @@
-"""Linear layers on the CPU through oneDNN with the weight reordered once, at load time.
+"""Linear layers on the CPU with the weight packed once, at load time.
 
-``F.linear`` on a bfloat16 CPU tensor reaches oneDNN too, but reorders the weight into oneDNN's
-blocked layout on every call; for the small M of decode steps that reorder costs as much as the
-product (a [64, 896] x [896, 9728] product: 3.5 ms plain, 2.9 ms prepacked; at M=1, 0.6 vs 0.2 ms).
-The prepacked product gives the same bits as ``F.linear``. Used for bfloat16 weights on CPUs with
-AMX (on AVX512-BF16 without AMX, bfloat16 weights go to this project's C kernel instead,
-``csrc/dense_linear_cpu.c``: it overlaps reading the next weight panel with the arithmetic on
-this one, which oneDNN does not, so a decode step's products run 1.3-1.4x faster and a
-prompt's 1.2x; see that file), and for float32 weights on every CPU: there ``F.linear`` goes to MKL's sgemm,
-and oneDNN's prepacked product is 1.3-2.8x faster on decode shapes (the 0.5B model's LM head,
-[16, 896] x [896, 151936]: 118 ms -> 43 ms capped to AVX2, 133 -> 30 ms with AVX-512; its
-results match to float32 rounding, not bit for bit). The ``packed_gemm`` switch of
-``kernels.settings`` (the engine's ``cpu_packed_gemm``) turns it off.
+On the avx2, avx512 and avx512_bf16 classes (float32 weights; bfloat16 where bf16 is native)
+the weight goes to this project's C kernel (``csrc/dense_linear_cpu.c``, ``DensePacked``): it
+reads the next weight panel from memory while it computes on this one, which oneDNN does not,
+so a decode step's products run 1.05-1.4x faster than oneDNN's prepacked ones; prompt-sized
+products (compute bound) are about even (``load_tests/gemm_bench.py``).
+
+Elsewhere (AMX; C kernels off) the weight is reordered once into oneDNN's blocked layout.
+``F.linear`` on a bfloat16 CPU tensor reaches oneDNN too, but reorders the weight on every
+call; for the small M of decode steps that reorder costs as much as the product (a [64, 896] x
+[896, 9728] product: 3.5 ms plain, 2.9 ms prepacked; at M=1, 0.6 vs 0.2 ms). The prepacked
+bfloat16 product gives the same bits as ``F.linear``; for float32 ``F.linear`` goes to MKL's
+sgemm, and oneDNN's prepacked product is 1.3-2.8x faster on decode shapes (results match to
+float32 rounding, not bit for bit). The ``packed_gemm`` switch of ``kernels.settings`` (the
+engine's ``cpu_packed_gemm``) turns packing off.
 
 oneDNN builds (JIT-compiles) a kernel for every new row count M, 0.3-1 ms each; a serving
 engine meets a new M in most steps (decodes plus prompt chunks of any length), and oneDNN keeps

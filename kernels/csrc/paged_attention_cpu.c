@@ -230,6 +230,19 @@ static inline int permuted_d(int i) {
     return 32 * (j / 2) + 8 * (k / 4) + 4 * (j % 2) + k % 4;
 }
 
+/* n cache rows (row bytes apart) as float32 rows: a float32 cache in place, another type converted
+ * into buf (D floats apart); *stride gets the rows' distance in bytes. */
+static inline const char *float_rows(float *buf, const char *rows, int n, size_t row, int D,
+                                     int kv_dtype, size_t *stride) {
+    if (kv_dtype == 0) {
+        *stride = row;
+        return rows;
+    }
+    load_tokens(buf, rows, n, row, D, kv_dtype);
+    *stride = sizeof(float) * D;
+    return (const char *)buf;
+}
+
 /* A 16 x 16 matrix of 32-bit elements, one row per vector, transposed in place. */
 static inline void transpose16(__m512i r[16]) {
     __m512i t[16], u[16];
@@ -405,13 +418,8 @@ static inline __attribute__((always_inline)) void attend_row_dc(
                 }
 #endif
                 if (!direct) { /* float32 caches are read in place, others as floats */
-                    const char *rows = kb;
-                    size_t row = kv_row;
-                    if (kv_dtype != 0) {
-                        load_tokens(w->kbuf, kb, n, token_stride * kes, D, kv_dtype);
-                        rows = (const char *)w->kbuf;
-                        row = sizeof(float) * D;
-                    }
+                    size_t row;
+                    const char *rows = float_rows(w->kbuf, kb, n, kv_row, D, kv_dtype, &row);
                     transpose_keys(kt, rows, n, row, D / 16);
                     qk_group_f32(kt, w->q + (size_t)kvh * group * D, D, w->s + (size_t)kvh * group * 16, group);
                 }
@@ -479,13 +487,8 @@ static inline __attribute__((always_inline)) void attend_row_dc(
                     continue;
                 }
 #endif
-                const char *vrows = vb;
-                size_t vrow = kv_row;
-                if (kv_dtype != 0) {
-                    load_tokens(w->kbuf, vb, n, token_stride * kes, D, kv_dtype);
-                    vrows = (const char *)w->kbuf;
-                    vrow = sizeof(float) * D;
-                }
+                size_t vrow;
+                const char *vrows = float_rows(w->kbuf, vb, n, kv_row, D, kv_dtype, &vrow);
                 for (int hb = kvh * group; hb < (kvh + 1) * group; hb += HG) {
                     const int nh = (kvh + 1) * group - hb < HG ? (kvh + 1) * group - hb : HG;
                     __m512 a[16];
