@@ -5,7 +5,10 @@ so a pass over the layers reads its weights from memory as a decode step does (t
 in the caches). For each row count the two run alternately, ``--rounds`` times; the medians
 and their ratio are printed as one JSON line per row count, with the CPU class.
 
-    .venv/bin/python load_tests/gemm_bench.py --rows 1,8,16,29,64,2048
+    .venv/bin/python load_tests/gemm_bench.py --rows 1,8,16,29,64,2048 [--isa avx2]
+
+``--isa`` runs both products as on a CPU of that class at most (this project's kernels built and
+chosen for it, oneDNN capped the same way).
 """
 
 from __future__ import annotations
@@ -21,9 +24,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import offline_throughput as ot  # noqa: E402  (after the path)
 
 from engine.cpu_runtime import keep_freed_memory  # noqa: E402
-from kernels import cpu_gemm, cpu_isa  # noqa: E402
+from kernels import cpu_gemm, cpu_isa, settings  # noqa: E402
 from kernels.cpu_gemm import Packed  # noqa: E402
 
 # (in, out) of the 0.5B shape's qkv, o, gate_up and down projections
@@ -52,7 +58,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--isa", choices=ot.CPU_CLASSES, default=None)
     args = parser.parse_args(argv)
+    ot.apply_isa_cap(args.isa)
+    if args.isa:
+        settings.configure(isa_cap=args.isa)
     if args.threads:
         torch.set_num_threads(args.threads)
     keep_freed_memory()  # as the engine: outputs reuse freed memory, no page faults per call

@@ -15,6 +15,15 @@
  * panel's rows run tile after tile, so the panel is read from memory once and then from the
  * core's cache. Panels are split over the threads in contiguous ranges.
  *
+ * Prompt-sized products block both operands for the core's L2: rows in blocks of XBLOCK_BYTES
+ * of x, panels in groups of GROUP_BYTES, each row block running over a group's panels (x comes
+ * from L3 once per group, the group's weights from memory once); where x is over
+ * X_CACHED_BYTES (more than its share of L3) each row block runs over all the thread's panels
+ * instead (the weights come from L3 once per block, x from memory once). Without it each panel
+ * streamed all of x: at 2048 rows the AVX2 float32 tiles ran at 0.83-0.90x oneDNN's, with it
+ * 0.97-1.0x (load_tests/gemm_bench.py --isa avx2 --dtype float32). Decode-sized products are one
+ * row block, as before.
+ *
  * Why not oneDNN (what torch's prepacked linear calls): its products stall on memory. A decode
  * step's weights come from DRAM, and a product that reads a panel from memory for its first
  * tile and computes the other tiles from cache leaves the memory idle while it computes: at 29
@@ -33,6 +42,9 @@
 #define PW 64 /* bfloat16: output channels per panel */
 #define MR 6  /* rows per register tile */
 #define PF_TILES 16 /* a product of more tiles computes long enough per panel: no prefetch */
+#define XBLOCK_BYTES (384 * 1024)  /* x rows per row block (whole tiles, at least one) */
+#define GROUP_BYTES (384 * 1024)   /* packed weights per group of panels (at least one) */
+#define X_CACHED_BYTES (12 << 20)  /* larger x: row blocks run over all the thread's panels */
 #if defined(__AVX512F__)
 #define PW32 64
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -243,27 +255,43 @@ int dense_linear_cpu(void *out, const void *x, const void *packed, const void *b
     const int64_t panel = steps * (dtype == 1 ? 2 : 1) * pw; /* elements */
     const int64_t lines = panel * (int64_t)es / 64;
     const int nt = (int)(P < num_threads ? P : num_threads);
+    /* row tiles per block: a block's rows of x stay in the core's L2 while every panel of the
+     * thread's range runs over them (else each panel streams all of x from L3 or DRAM) */
+    int64_t TB = XBLOCK_BYTES / (MR * K * (int64_t)es);
+    if (TB < 1) TB = 1;
+    int64_t G = GROUP_BYTES / (panel * (int64_t)es);
+    if (G < 1 || M * K * (int64_t)es > X_CACHED_BYTES) G = P;
 #pragma omp parallel num_threads(nt)
     {
         const int64_t id = omp_get_thread_num(), p0 = P * id / nt, p1 = P * (id + 1) / nt;
-        for (int64_t p = p0; p < p1; p++) {
-            const char *wp = (const char *)packed + (size_t)(p * panel) * es;
-            const int ncols = (int)(N - p * pw < pw ? N - p * pw : pw);
-            const char *pb = bias ? (const char *)bias + (size_t)(p * pw) * es : NULL;
-            for (int64_t t = 0; t < T; t++) {
-                const char *pf = NULL;
-                int64_t pfn = 0;
-                int rate = 0;
-                if (T > 1 && T <= PF_TILES && p + 1 < p1) { /* this tile's share of the next panel */
-                    const int64_t a = t * lines / T, b = (t + 1) * lines / T;
-                    pf = wp + (size_t)panel * es + a * 64;
-                    pfn = b - a;
-                    rate = (int)((pfn + steps - 1) / steps);
+        for (int64_t g0 = p0; g0 < p1; g0 += G) {
+            const int64_t g1 = g0 + G < p1 ? g0 + G : p1;
+            for (int64_t t0 = 0; t0 < T; t0 += TB) {
+                const int64_t t1 = t0 + TB < T ? t0 + TB : T, nb = t1 - t0;
+                for (int64_t p = g0; p < g1; p++) {
+                    const char *wp = (const char *)packed + (size_t)(p * panel) * es;
+                    const int ncols = (int)(N - p * pw < pw ? N - p * pw : pw);
+                    const char *pb = bias ? (const char *)bias + (size_t)(p * pw) * es : NULL;
+                    /* the next panel to come from memory: the group's next one while its first
+                     * row block runs, the next group's first one while its last block ends */
+                    const int fetch = nb > 1 && nb <= PF_TILES && p + 1 < p1 &&
+                                      ((t0 == 0 && p + 1 < g1) || (t1 == T && p + 1 == g1));
+                    for (int64_t t = t0; t < t1; t++) {
+                        const char *pf = NULL;
+                        int64_t pfn = 0;
+                        int rate = 0;
+                        if (fetch) { /* this tile's share of the next panel */
+                            const int64_t a = (t - t0) * lines / nb, b = (t - t0 + 1) * lines / nb;
+                            pf = wp + (size_t)panel * es + a * 64;
+                            pfn = b - a;
+                            rate = (int)((pfn + steps - 1) / steps);
+                        }
+                        const int mr = (int)(M - t * MR < MR ? M - t * MR : MR);
+                        tile_rows(dtype, (const char *)x + (size_t)(t * MR * sx) * es, sx, K, wp,
+                                  (char *)out + (size_t)(t * MR * so + p * pw) * es, so, ncols,
+                                  pb, pf, pfn, rate, mr);
+                    }
                 }
-                const int mr = (int)(M - t * MR < MR ? M - t * MR : MR);
-                tile_rows(dtype, (const char *)x + (size_t)(t * MR * sx) * es, sx, K, wp,
-                          (char *)out + (size_t)(t * MR * so + p * pw) * es, so, ncols, pb, pf,
-                          pfn, rate, mr);
             }
         }
     }

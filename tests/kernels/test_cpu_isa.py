@@ -117,6 +117,10 @@ def test_c_kernels_build_for_every_class_and_match_the_references(isa, monkeypat
         kernel_tests.test_silu_and_mul(dtype)
         kernel_tests.test_rotary_on_strided_views(dtype, 48)
         kernel_tests.test_grammar_mask_matches_xgrammar(dtype)
+    if isa != "generic":  # the dense kernel's float32 build (and bfloat16 where native)
+        kernel_tests.test_dense_linear_across_row_blocks_and_panel_groups()
+        for n, k, rows in [(151, 7, 13), (130, 4864, 29), (100, 33, 301)]:
+            kernel_tests.test_dense_float32_linear_is_as_accurate_as_f_linear(n, k, rows)
     kernel_tests.test_paged_attention_decode_only_and_padding_rows()
     kernel_tests.test_paged_attention_ignores_cache_outside_the_sequence()
     kernel_tests.test_paged_attention_reads_nothing_before_the_window()

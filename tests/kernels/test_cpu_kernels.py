@@ -314,6 +314,23 @@ def test_dense_float32_linear_is_as_accurate_as_f_linear(n, k, rows):
         assert ours <= 4 * theirs + 1e-5
 
 
+# rows x inputs past the kernel's blocking (dense_linear_cpu.c): several row blocks over each
+# group of panels (inputs of 896), and inputs of more than 12 MiB (row blocks over all panels)
+_BLOCKED = [(1152, 896, 400), (200, 4864, 700), (200, 4864, 1300)]
+
+
+def test_dense_linear_across_row_blocks_and_panel_groups():
+    ran = 0
+    for dtype, check in ((torch.float32, test_dense_float32_linear_is_as_accurate_as_f_linear),
+                         (torch.bfloat16, test_dense_bfloat16_linear_matches_float64)):
+        if cpu_gemm.dense_kernel_used(torch.empty(2, 2, dtype=dtype)):
+            for n, k, rows in _BLOCKED:
+                check(n, k, rows)
+                ran += 1
+    if not ran:
+        pytest.skip("no C dense kernel for this CPU class")
+
+
 @_DENSE
 def test_dense_linear_needs_no_warm_up_and_pads_to_panels():
     weight = torch.randn(70, 16).bfloat16()
