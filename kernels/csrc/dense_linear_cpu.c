@@ -44,7 +44,8 @@
 #define PF_TILES 16 /* a product of more tiles computes long enough per panel: no prefetch */
 #define XBLOCK_BYTES (384 * 1024)  /* x rows per row block (whole tiles, at least one) */
 #define GROUP_BYTES (384 * 1024)   /* packed weights per group of panels (at least one) */
-#define X_CACHED_BYTES (12 << 20)  /* larger x: row blocks run over all the thread's panels */
+#define X_CACHED_BYTES (12 << 20)  /* larger x: work items are row blocks over all panels */
+#define CHUNKS 8 /* work items (runs of panels) per thread */
 #if defined(__AVX512F__)
 #define PW32 64
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -242,6 +243,76 @@ static void tile_rows(int dtype, const void *x, int64_t sx, int64_t K, const voi
 }
 #endif
 
+#if defined(__AVX512BF16__) || defined(PW32)
+typedef struct { /* one product's operands and blocking */
+    int dtype;
+    const char *x, *packed, *bias;
+    char *out;
+    int64_t sx, so, N, M, K, es, steps, panel, lines, pw, T, TB, G, P_ALL;
+} Job;
+
+/* Panels [p0, p1) over row tiles [t0, t1): groups of G panels, row blocks of TB tiles, each
+ * block over its group's panels. While a panel runs its tiles prefetch the next panel to come
+ * from memory (below pf_end): the group's next one during the first row block, the next
+ * group's (or the next work item's) first one during the last. */
+static void run_panels(const Job *j, int64_t p0, int64_t p1, int64_t pf_end, int64_t t0,
+                       int64_t t1) {
+    for (int64_t g0 = p0; g0 < p1; g0 += j->G) {
+        const int64_t g1 = g0 + j->G < p1 ? g0 + j->G : p1;
+        for (int64_t b0 = t0; b0 < t1; b0 += j->TB) {
+            const int64_t b1 = b0 + j->TB < t1 ? b0 + j->TB : t1, nb = b1 - b0;
+            for (int64_t p = g0; p < g1; p++) {
+                const char *wp = j->packed + (size_t)(p * j->panel * j->es);
+                const int ncols = (int)(j->N - p * j->pw < j->pw ? j->N - p * j->pw : j->pw);
+                const char *pb = j->bias ? j->bias + (size_t)(p * j->pw * j->es) : NULL;
+                const int fetch = nb > 1 && nb <= PF_TILES && p + 1 < pf_end &&
+                                  ((b0 == t0 && p + 1 < g1) || (b1 == t1 && p + 1 == g1));
+                for (int64_t t = b0; t < b1; t++) {
+                    const char *pf = NULL;
+                    int64_t pfn = 0;
+                    int rate = 0;
+                    if (fetch) { /* this tile's share of the next panel */
+                        const int64_t a = (t - b0) * j->lines / nb, b = (t - b0 + 1) * j->lines / nb;
+                        pf = wp + (size_t)(j->panel * j->es + a * 64);
+                        pfn = b - a;
+                        rate = (int)((pfn + j->steps - 1) / j->steps);
+                    }
+                    const int mr = (int)(j->M - t * MR < MR ? j->M - t * MR : MR);
+                    tile_rows(j->dtype, j->x + (size_t)(t * MR * j->sx * j->es), j->sx, j->K, wp,
+                              j->out + (size_t)((t * MR * j->so + p * j->pw) * j->es), j->so,
+                              ncols, pb, pf, pfn, rate, mr);
+                }
+            }
+        }
+    }
+}
+
+typedef struct { int64_t v; char pad[56]; } __attribute__((aligned(64))) Counter;
+
+/* Thread `id`'s share of the job, then whatever other threads have not started yet: work items
+ * are taken from counters, so a thread the OS preempts (two cores shared with a server's other
+ * processes) holds the product up by the item it is in, not by its whole static share. Items:
+ * over CHUNKS contiguous runs of panels per thread, each over all rows (decode-sized products,
+ * and prompts whose x the cache holds); or, for a larger x, row blocks over all panels. */
+static void run_share(const Job *j, Counter *next, const int64_t *first, int nt, int id,
+                      int by_rows) {
+    const int64_t items = first[nt];
+    for (int v = 0; v < nt; v++) {
+        const int o = (id + v) % nt;
+        for (int64_t c; (c = __atomic_fetch_add(&next[o].v, 1, __ATOMIC_RELAXED)) < first[o + 1];) {
+            if (by_rows) {
+                const int64_t t0 = c * j->TB, t1 = t0 + j->TB < j->T ? t0 + j->TB : j->T;
+                run_panels(j, 0, j->P_ALL, j->P_ALL, t0, t1);
+            } else {
+                const int64_t P = j->P_ALL, p0 = P * c / items, p1 = P * (c + 1) / items;
+                const int64_t pf_end = c + 1 < first[o + 1] ? P * (c + 2) / items : p1;
+                run_panels(j, p0, p1, pf_end, 0, j->T);
+            }
+        }
+    }
+}
+#endif
+
 /* out [M, N] (row stride so) = x [M, K] (row stride sx) @ w^T (+ bias [N]), w packed as above,
  * all of `dtype`. Returns 0, or -1 when this build has no kernel for `dtype`. */
 int dense_linear_cpu(void *out, const void *x, const void *packed, const void *bias, int64_t M,
@@ -249,52 +320,27 @@ int dense_linear_cpu(void *out, const void *x, const void *packed, const void *b
     const int pw = dense_supported_cpu(dtype);
     if (!pw) return -1;
 #if defined(__AVX512BF16__) || defined(PW32)
-    const size_t es = dtype == 1 ? 2 : 4;
-    const int64_t steps = dtype == 1 ? (K + 1) / 2 : K; /* a panel's k steps, 256 or 64 B each */
-    const int64_t P = (N + pw - 1) / pw, T = (M + MR - 1) / MR;
-    const int64_t panel = steps * (dtype == 1 ? 2 : 1) * pw; /* elements */
-    const int64_t lines = panel * (int64_t)es / 64;
-    const int nt = (int)(P < num_threads ? P : num_threads);
-    /* row tiles per block: a block's rows of x stay in the core's L2 while every panel of the
-     * thread's range runs over them (else each panel streams all of x from L3 or DRAM) */
-    int64_t TB = XBLOCK_BYTES / (MR * K * (int64_t)es);
-    if (TB < 1) TB = 1;
-    int64_t G = GROUP_BYTES / (panel * (int64_t)es);
-    if (G < 1 || M * K * (int64_t)es > X_CACHED_BYTES) G = P;
+    Job j = {.dtype = dtype, .x = x, .packed = packed, .bias = bias, .out = out, .sx = sx,
+             .so = so, .N = N, .M = M, .K = K, .es = dtype == 1 ? 2 : 4, .pw = pw};
+    j.steps = dtype == 1 ? (K + 1) / 2 : K; /* a panel's k steps, 256 or 64 B each */
+    j.P_ALL = (N + pw - 1) / pw;
+    j.T = (M + MR - 1) / MR;
+    j.panel = j.steps * (dtype == 1 ? 2 : 1) * pw; /* elements */
+    j.lines = j.panel * j.es / 64;
+    j.TB = XBLOCK_BYTES / (MR * K * j.es);
+    if (j.TB < 1) j.TB = 1;
+    j.G = GROUP_BYTES / (j.panel * j.es);
+    if (j.G < 1) j.G = 1;
+    const int by_rows = M * K * j.es > X_CACHED_BYTES && j.T > j.TB;
+    const int64_t units = by_rows ? (j.T + j.TB - 1) / j.TB : j.P_ALL;
+    const int nt = (int)(units < num_threads ? units : num_threads);
+    const int64_t items = by_rows ? units : (units < nt * CHUNKS ? units : nt * CHUNKS);
+    Counter next[nt];
+    int64_t first[nt + 1];
+    for (int i = 0; i <= nt; i++) first[i] = items * i / nt;
+    for (int i = 0; i < nt; i++) next[i].v = first[i];
 #pragma omp parallel num_threads(nt)
-    {
-        const int64_t id = omp_get_thread_num(), p0 = P * id / nt, p1 = P * (id + 1) / nt;
-        for (int64_t g0 = p0; g0 < p1; g0 += G) {
-            const int64_t g1 = g0 + G < p1 ? g0 + G : p1;
-            for (int64_t t0 = 0; t0 < T; t0 += TB) {
-                const int64_t t1 = t0 + TB < T ? t0 + TB : T, nb = t1 - t0;
-                for (int64_t p = g0; p < g1; p++) {
-                    const char *wp = (const char *)packed + (size_t)(p * panel) * es;
-                    const int ncols = (int)(N - p * pw < pw ? N - p * pw : pw);
-                    const char *pb = bias ? (const char *)bias + (size_t)(p * pw) * es : NULL;
-                    /* the next panel to come from memory: the group's next one while its first
-                     * row block runs, the next group's first one while its last block ends */
-                    const int fetch = nb > 1 && nb <= PF_TILES && p + 1 < p1 &&
-                                      ((t0 == 0 && p + 1 < g1) || (t1 == T && p + 1 == g1));
-                    for (int64_t t = t0; t < t1; t++) {
-                        const char *pf = NULL;
-                        int64_t pfn = 0;
-                        int rate = 0;
-                        if (fetch) { /* this tile's share of the next panel */
-                            const int64_t a = (t - t0) * lines / nb, b = (t - t0 + 1) * lines / nb;
-                            pf = wp + (size_t)panel * es + a * 64;
-                            pfn = b - a;
-                            rate = (int)((pfn + steps - 1) / steps);
-                        }
-                        const int mr = (int)(M - t * MR < MR ? M - t * MR : MR);
-                        tile_rows(dtype, (const char *)x + (size_t)(t * MR * sx) * es, sx, K, wp,
-                                  (char *)out + (size_t)(t * MR * so + p * pw) * es, so, ncols,
-                                  pb, pf, pfn, rate, mr);
-                    }
-                }
-            }
-        }
-    }
+    run_share(&j, next, first, nt, omp_get_thread_num(), by_rows);
     return 0;
 #else
     (void)out; (void)x; (void)packed; (void)bias; (void)M; (void)N; (void)K; (void)sx; (void)so;
