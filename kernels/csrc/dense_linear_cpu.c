@@ -29,7 +29,7 @@
  * tile and computes the other tiles from cache leaves the memory idle while it computes: at 29
  * rows the 0.5B model's linears took 36-42 ms a step against the 24 ms their multiply-adds need
  * at this core's peak. Here, while a panel's tiles run, each tile prefetches its share of the
- * next panel (spread over its pair steps), so the next panel's memory traffic overlaps this
+ * next panel (paced over its k steps, below), so the next panel's memory traffic overlaps this
  * panel's arithmetic: 31 ms at 29 rows, 1.05-1.4x oneDNN from 1 to 64 rows, and even with it
  * on prompt-sized products (2048 rows, compute bound), load_tests/gemm_bench.py on two Zen 5
  * cores. One-tile products (up to MR rows) are memory bound and stream the weights without
@@ -48,8 +48,10 @@
 #define CHUNKS 8 /* work items (runs of panels) per thread */
 #if defined(__AVX512F__)
 #define PW32 64
+#define PF_GAP_F32 1 /* steps between a tile's prefetches, at least (float32; bfloat16: 1) */
 #elif defined(__AVX2__) && defined(__FMA__)
 #define PW32 16
+#define PF_GAP_F32 4 /* an AVX2 step is a quarter of the others' arithmetic (12 ymm FMAs) */
 #endif
 
 /* The panel width of this build's kernel for `dtype` (0 = float32, 1 = bfloat16), 0 if none. */
@@ -84,11 +86,18 @@ int dense_pack_cpu(void *dst, const void *w, int64_t N, int64_t K, int dtype, in
 }
 
 #if defined(__AVX512BF16__) || defined(PW32)
-/* Prefetch lines [0, n) of `pf` at `rate` lines per step: step s takes its share. */
-static inline __attribute__((always_inline)) void prefetch_share(const char *pf, int64_t s, int rate,
-                                                                  int64_t n) {
-    for (int q = 0; q < rate; q++)
-        if (s * rate + q < n) _mm_prefetch(pf + (s * rate + q) * 64, _MM_HINT_T0);
+/* A tile's share of the next panel to prefetch: `left` lines from p, `lines` of them per `steps`
+ * k steps (carried in acc). A share goes out at one line per PF_GAP_F32 steps (bfloat16: one per
+ * step) from the tile's first step, or evenly over all its steps where that is sparser: a
+ * burst of one line per AVX2 step (12 FMAs) filled the core's miss buffers and stalled the
+ * arithmetic (29 rows on Zen 4: 0.97-1.08x oneDNN in bursts, 1.29-1.44x spread), while the
+ * longer bfloat16 steps ran best front-loaded (1.11-1.26x against 1.05-1.18x spread). */
+typedef struct { const char *p; int64_t left, acc, lines, steps; } Prefetch;
+static inline __attribute__((always_inline)) void prefetch_step(Prefetch *f) {
+    for (f->acc += f->lines; f->acc >= f->steps && f->left > 0; f->acc -= f->steps, f->left--) {
+        _mm_prefetch(f->p, _MM_HINT_T0);
+        f->p += 64;
+    }
 }
 
 /* Channels of a panel's vector j (of `width`) that exist: 0..width. */
@@ -101,10 +110,10 @@ static inline int live_cols(int ncols, int j, int width) {
 #ifdef __AVX512BF16__
 /* One bfloat16 tile: rows x[0..MRC) (row stride sx) times panel wp, written to out (row stride
  * so) for the panel's first `ncols` channels, bias (the panel's part, or NULL) added before
- * rounding; pf, pfn, rate: the share of the next panel this tile prefetches. */
+ * rounding; pf: the share of the next panel this tile prefetches. */
 static inline __attribute__((always_inline)) void tile_bf16(
     const uint16_t *x, int64_t sx, int64_t K, const uint16_t *wp, uint16_t *out, int64_t so,
-    int ncols, const uint16_t *bias, const char *pf, int64_t pfn, int rate, const int MRC) {
+    int ncols, const uint16_t *bias, Prefetch pf, const int MRC) {
     __m512 c[MR][4];
     for (int i = 0; i < MRC; i++)
         for (int j = 0; j < 4; j++) c[i][j] = _mm512_setzero_ps();
@@ -113,7 +122,7 @@ static inline __attribute__((always_inline)) void tile_bf16(
         const __m512i *wv = (const __m512i *)(wp + k2 * 2 * PW);
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wv), w1 = (__m512bh)_mm512_loadu_si512(wv + 1),
                        w2 = (__m512bh)_mm512_loadu_si512(wv + 2), w3 = (__m512bh)_mm512_loadu_si512(wv + 3);
-        if (pf) prefetch_share(pf, k2, rate, pfn);
+        if (pf.left) prefetch_step(&pf);
         for (int i = 0; i < MRC; i++) {
             int32_t xx;
             memcpy(&xx, x + i * sx + 2 * k2, 4);
@@ -184,7 +193,7 @@ static inline void acc_store_n(float *p, vacc v, int n) {
 /* One float32 tile, as tile_bf16 with one input per step. */
 static inline __attribute__((always_inline)) void tile_f32(
     const float *x, int64_t sx, int64_t K, const float *wp, float *out, int64_t so, int ncols,
-    const float *bias, const char *pf, int64_t pfn, int rate, const int MRC) {
+    const float *bias, Prefetch pf, const int MRC) {
     vacc c[MR][NV], sum[MR][NV]; /* sums of KC inputs at a time, added up (a shorter chain of
                                    * roundings than one sum over K: F.linear's accuracy) */
     for (int i = 0; i < MRC; i++)
@@ -196,7 +205,7 @@ static inline __attribute__((always_inline)) void tile_f32(
         for (int64_t k = k0; k < k1; k++) {
             vacc w[NV];
             for (int j = 0; j < NV; j++) w[j] = acc_load(wp + k * PW32 + VL * j);
-            if (pf) prefetch_share(pf, k, rate, pfn);
+            if (pf.left) prefetch_step(&pf);
             for (int i = 0; i < MRC; i++) {
                 const float xv = x[i * sx + k];
                 for (int j = 0; j < NV; j++) c[i][j] = acc_fma(c[i][j], xv, w[j]);
@@ -218,16 +227,15 @@ static inline __attribute__((always_inline)) void tile_f32(
 #if defined(__AVX512BF16__) || defined(PW32)
 /* Tile t of panel p (a tile of mr rows), for either element type. */
 static void tile_rows(int dtype, const void *x, int64_t sx, int64_t K, const void *wp, void *out,
-                      int64_t so, int ncols, const void *bias, const char *pf, int64_t pfn,
-                      int rate, int mr) {
+                      int64_t so, int ncols, const void *bias, Prefetch pf, int mr) {
 #define TILES(fn, T)                                                                           \
     switch (mr) {                                                                              \
-    case 1: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, pfn, rate, 1); break; \
-    case 2: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, pfn, rate, 2); break; \
-    case 3: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, pfn, rate, 3); break; \
-    case 4: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, pfn, rate, 4); break; \
-    case 5: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, pfn, rate, 5); break; \
-    default: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, pfn, rate, 6); break; \
+    case 1: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, 1); break; \
+    case 2: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, 2); break; \
+    case 3: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, 3); break; \
+    case 4: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, 4); break; \
+    case 5: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, 5); break; \
+    default: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, 6); break; \
     }
 #ifdef __AVX512BF16__
     if (dtype == 1) {
@@ -268,19 +276,18 @@ static void run_panels(const Job *j, int64_t p0, int64_t p1, int64_t pf_end, int
                 const int fetch = nb > 1 && nb <= PF_TILES && p + 1 < pf_end &&
                                   ((b0 == t0 && p + 1 < g1) || (b1 == t1 && p + 1 == g1));
                 for (int64_t t = b0; t < b1; t++) {
-                    const char *pf = NULL;
-                    int64_t pfn = 0;
-                    int rate = 0;
+                    Prefetch pf = {NULL, 0, 0, 0, j->steps};
                     if (fetch) { /* this tile's share of the next panel */
                         const int64_t a = (t - b0) * j->lines / nb, b = (t - b0 + 1) * j->lines / nb;
-                        pf = wp + (size_t)(j->panel * j->es + a * 64);
-                        pfn = b - a;
-                        rate = (int)((pfn + j->steps - 1) / j->steps);
+                        pf.p = wp + (size_t)(j->panel * j->es + a * 64);
+                        pf.left = pf.lines = b - a;
+                        const int64_t gap = j->dtype == 0 ? PF_GAP_F32 : 1;
+                        if (pf.lines * gap < j->steps) pf.steps = pf.lines * gap; /* front-load */
                     }
                     const int mr = (int)(j->M - t * MR < MR ? j->M - t * MR : MR);
                     tile_rows(j->dtype, j->x + (size_t)(t * MR * j->sx * j->es), j->sx, j->K, wp,
                               j->out + (size_t)((t * MR * j->so + p * j->pw) * j->es), j->so,
-                              ncols, pb, pf, pfn, rate, mr);
+                              ncols, pb, pf, mr);
                 }
             }
         }
