@@ -4,9 +4,12 @@
 # (load_tests/serving_benchmark.py). Loopback only. Usage:
 #   VLLM_PY=/tmp/vllm-venv/bin/python [ROUNDS=3] [RATE=40] [PROXY=1] [APP_ARGS="k=v ..."] [PLOT=f.png] \
 #     [ISA=avx2] load_tests/serve_vs_vllm.sh [MODEL_DIR] [NUM_PROMPTS] [CONCURRENCY]
-# MODEL_DIR defaults to the default model. Both servers run at once (each idles at ~1% of a
-# core while the other is measured); after a warm-up of each, ROUNDS rounds alternate between
-# them (the order flips every round), so the drift of a shared machine hits both alike. One JSON
+# MODEL_DIR defaults to the default model. ROUNDS rounds alternate between the two (the order
+# flips every round), so the drift of a shared machine hits both alike. vLLM stays up throughout
+# (idle, its two processes take ~2% of a core); this app runs only for its own runs: its local
+# Ray cluster idles at ~17% of a core (GCS, raylet, dashboard, Serve's controller and proxies,
+# each Ray worker's 100 Hz signal check), which would be taken from vLLM's runs, so it is
+# stopped before a vLLM run and started afresh, and warmed up, for its next one. One JSON
 # line per run, then a summary line: medians, and the medians of the per-round ratios
 # (pagedserve / vLLM). PROXY=1 adds ROUNDS runs of this app through Serve's Python proxy
 # (RAY_SERVE_ENABLE_HA_PROXY=0) after vLLM has stopped. APP_ARGS go to build_app (e.g.
@@ -79,19 +82,18 @@ VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_
   --max-model-len 2048 >/tmp/serve_vs_vllm.vllm.log 2>&1 &
 VLLM=$!
 wait_up $VLLM_URL
-start_app
-wait_up $PS_URL
-warm_up $PS_URL
 warm_up $VLLM_URL
-for r in $(seq 1 "$ROUNDS"); do
+app_up() { start_app; wait_up $PS_URL; warm_up $PS_URL; }
+for r in $(seq 1 "$ROUNDS"); do  # odd rounds: this app first (then stopped), even: vLLM first
   if [ $((r % 2)) -eq 1 ]; then
-    run "pagedserve round $r" $PS_URL "$r"; run "vllm round $r" $VLLM_URL "$r"
+    [ -n "${APP:-}" ] || app_up
+    run "pagedserve round $r" $PS_URL "$r"; stop_app; run "vllm round $r" $VLLM_URL "$r"
   else
-    run "vllm round $r" $VLLM_URL "$r"; run "pagedserve round $r" $PS_URL "$r"
+    run "vllm round $r" $VLLM_URL "$r"; app_up; run "pagedserve round $r" $PS_URL "$r"
   fi
 done
 kill $VLLM; wait $VLLM 2>/dev/null || true; VLLM=
-stop_app
+[ -z "${APP:-}" ] || stop_app
 
 if [ "${PROXY:-0}" = 1 ]; then  # the same app through Serve's Python proxy
   sleep 3
