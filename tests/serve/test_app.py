@@ -144,6 +144,11 @@ def test_http_arrives_through_haproxy(url):
     for _, cmd in ours:
         if "haproxy" in cmd:
             assert f"nbthread {os.environ['RAY_SERVE_HAPROXY_NBTHREAD']}\n" in _haproxy_config(cmd)
+    # and Serve's controller loops every 0.5 s (``pace_control_loop``)
+    controllers = [pid for pid, cmd in _processes() if cmd.startswith("ray::ServeController")]
+    assert len(controllers) == 1
+    environ = Path(f"/proc/{controllers[0]}/environ").read_bytes().split(b"\0")
+    assert b"RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5" in environ
 
 
 def _processes() -> list[tuple[int, str]]:
