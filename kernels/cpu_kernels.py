@@ -2,7 +2,7 @@
 
 ``paged_attention_cpu.c`` is paged attention over the block table (no gather, no padding);
 ``elementwise_cpu.c`` holds RMSNorm (+ fused residual add), SiLU-and-multiply, rotary embedding,
-the KV-cache store and grammar masks of logits, each one pass over memory; ``int8_linear_cpu.c``
+the KV-cache store, grammar masks of logits and greedy argmax, each one pass over memory; ``int8_linear_cpu.c``
 the int8 linear layers (activations quantized per row, VNNI dot products where the CPU has
 them), ``dense_linear_cpu.c`` float32 and bfloat16 ones. AVX-512 or AVX2 loops where the CPU
 has them, plain C elsewhere; float32 and bfloat16.
@@ -67,6 +67,7 @@ _SIGNATURES = {
                                                                              _c_f, _c_f],
     "int8_linear_cpu": [_ptr] * 6 + [_c_i64] * 5 + [_c_int, _c_int],
     "mask_logits_cpu": [_ptr, _c_i64, _ptr, _c_i64, _ptr, _c_i64, _c_i64, _c_int, _c_int],
+    "argmax_rows_cpu": [_ptr, _ptr, _c_i64, _c_i64, _c_i64, _c_int, _c_int],
     "dense_supported_cpu": [_c_int], "dense_pack_cpu": [_ptr, _ptr, _c_i64, _c_i64, _c_int, _c_int],
     "dense_linear_cpu": [_ptr] * 4 + [_c_i64] * 5 + [_c_int, _c_int],
 }
@@ -288,6 +289,16 @@ def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) ->
         logits.data_ptr(), logits.stride(0), bits.data_ptr(), bits.shape[1], idx.data_ptr(),
         len(rows), logits.shape[1], DTYPES[logits.dtype], torch.get_num_threads()),
         "mask_logits_cpu")
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.max(dim=-1).indices`` (int64 [rows]): the first of equal maxima, the first NaN
+    of a row that has one; one pass over the rows (``supports_mask`` first)."""
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    _check(_library().argmax_rows_cpu(
+        out.data_ptr(), logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0),
+        DTYPES[logits.dtype], torch.get_num_threads()), "argmax_rows_cpu")
+    return out
 
 
 def call(name: str, *args: object) -> int:

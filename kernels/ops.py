@@ -205,6 +205,15 @@ def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) ->
     _cpu.mask_logits(logits, bitmask, rows)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The index of each row's largest logit (int64 [rows]; the first of equal maxima):
+    ``logits.max(dim=-1).indices``, by the C kernel on CPU rows it takes (torch's reduction
+    runs at a fifth of the memory's speed on a float32 vocabulary-wide row)."""
+    if _use_cpu(logits) and _cpu.supports_mask(logits):
+        return _cpu.argmax_rows(logits)
+    return logits.max(dim=-1).indices
+
+
 __all__ = [
     "BACKENDS",
     "backend",
@@ -212,6 +221,7 @@ __all__ = [
     "fused_add_rms_norm",
     "fused_moe",
     "get_backend",
+    "greedy_tokens",
     "can_mask_logits",
     "int8_linear",
     "mask_logits",

@@ -71,8 +71,7 @@ class Sampler:
         self._mask_early_stop(logits, reqs)
         apply_request_masks(logits, reqs)
         if all_greedy:
-            # max(dim).indices: the first maximum like argmax, and 4x faster on bfloat16 rows
-            tokens = logits.max(dim=-1).indices
+            tokens = ops.greedy_tokens(logits)  # the first maximum, as argmax
         else:
             tokens = self._sample(logits, reqs)
         token_list = tokens.tolist()
@@ -109,7 +108,7 @@ class Sampler:
         dev = logits.device
         greedy = torch.tensor([p.greedy for p in params], device=dev)
         temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
-        greedy_tokens = logits.argmax(dim=-1)
+        greedy_tokens = ops.greedy_tokens(logits)
         logits = logits / temps.unsqueeze(1)
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
             logits = _top_k_top_p(logits, params)
@@ -122,7 +121,7 @@ class Sampler:
             seed = r.params.seed
             if seed is not None and not r.params.greedy:
                 noise[i].exponential_(generator=self._row_generator(r, seed))
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = ops.greedy_tokens(probs / noise)
         return torch.where(greedy, greedy_tokens, sampled)
 
     def _row_generator(self, r: Request, seed: int) -> torch.Generator:

@@ -149,6 +149,10 @@ static inline vf v_max(vf a, vf b) { return _mm512_max_ps(a, b); }
 static inline vf v_fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vm v_le(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ); }
 static inline vm v_neq(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_NEQ_OQ); }
+static inline vm v_gt(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+static inline vm v_unord(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q); } /* a or b NaN */
+static inline vm v_mor(vm a, vm b) { return a | b; }
+static inline int v_many(vm m) { return m != 0; }
 static inline vf v_select(vm m, vf a, vf b) { return _mm512_mask_mov_ps(b, m, a); } /* m ? a : b */
 static inline float v_sum(vf x) { return _mm512_reduce_add_ps(x); }
 static inline vf v_exp(vf x) { return exp16(x); }
@@ -172,6 +176,10 @@ static inline vf v_max(vf a, vf b) { return _mm256_max_ps(a, b); }
 static inline vf v_fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vm v_le(vf a, vf b) { return _mm256_cmp_ps(a, b, _CMP_LE_OQ); }
 static inline vm v_neq(vf a, vf b) { return _mm256_cmp_ps(a, b, _CMP_NEQ_OQ); }
+static inline vm v_gt(vf a, vf b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
+static inline vm v_unord(vf a, vf b) { return _mm256_cmp_ps(a, b, _CMP_UNORD_Q); } /* a or b NaN */
+static inline vm v_mor(vm a, vm b) { return _mm256_or_ps(a, b); }
+static inline int v_many(vm m) { return _mm256_movemask_ps(m) != 0; }
 static inline vf v_select(vm m, vf a, vf b) { return _mm256_blendv_ps(b, a, m); } /* m ? a : b */
 static inline float v_sum(vf x) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));

@@ -1,7 +1,8 @@
 /* The CPU versions of the engine's small fused kernels, one pass over memory each:
- * RMSNorm (with the residual add fused in), SiLU-and-multiply, rotary embedding in place, and
- * the KV-cache store. Numerics follow the torch references in kernels/*.py (float32 inside;
- * for bfloat16, values are rounded where the references round). Rows are spread over OpenMP
+ * RMSNorm (with the residual add fused in), SiLU-and-multiply, rotary embedding in place, the
+ * KV-cache store, grammar masks of logits and the greedy argmax of logits. Numerics follow the
+ * torch references in kernels/*.py (float32 inside; for bfloat16, values are rounded where the
+ * references round). Rows are spread over OpenMP
  * threads (torch's pool: see paged_attention_cpu.c). Element types: 0 = float32, 1 = bfloat16.
  */
 #include "cpu_common.h"
@@ -209,5 +210,63 @@ int mask_logits_cpu(void *logits, int64_t row_stride, const int32_t *bitmask, in
             }
         }
     }
+    return 0;
+}
+
+/* The index of the largest of n values (element type dtype) at row: the first of equal
+ * maxima, and the first NaN where the row has one (torch's max(dim).indices). */
+static int64_t argmax_row(const char *row, int64_t n, int dtype) {
+    const size_t es = dtype == 1 ? 2 : 4;
+    int64_t best_i = 0, i = 0;
+    float best = -INFINITY;
+#ifdef VF
+    if (n >= 2 * VW && n < (1 << 24)) { /* lane indices kept as floats: exact below 2^24 */
+        float lane[VW];
+        for (int l = 0; l < VW; l++) lane[l] = (float)l;
+        vf idx0 = v_load(lane), idx1 = v_add(idx0, v_set1((float)VW));
+        vf b0 = v_load_dt(row, dtype), b1 = v_load_dt(row + VW * es, dtype);
+        vf i0 = idx0, i1 = idx1;
+        vm nan = v_unord(b0, b1);
+        const vf step = v_set1((float)(2 * VW));
+        for (i = 2 * VW; i + 2 * VW <= n; i += 2 * VW) { /* two chains: lane i % (2 VW) */
+            idx0 = v_add(idx0, step);
+            idx1 = v_add(idx1, step);
+            const vf x0 = v_load_dt(row + (size_t)i * es, dtype);
+            const vf x1 = v_load_dt(row + (size_t)(i + VW) * es, dtype);
+            const vm g0 = v_gt(x0, b0), g1 = v_gt(x1, b1);
+            b0 = v_select(g0, x0, b0);
+            i0 = v_select(g0, idx0, i0);
+            b1 = v_select(g1, x1, b1);
+            i1 = v_select(g1, idx1, i1);
+            nan = v_mor(nan, v_unord(x0, x1));
+        }
+        float bv[2 * VW], bi[2 * VW];
+        v_store(bv, b0), v_store(bv + VW, b1), v_store(bi, i0), v_store(bi + VW, i1);
+        if (v_many(nan)) {
+            i = 0; /* a NaN somewhere in the vector part: find the first one below */
+        } else {
+            best = bv[0], best_i = (int64_t)bi[0];
+            for (int l = 1; l < 2 * VW; l++) /* the largest; the lowest index among equals */
+                if (bv[l] > best || (bv[l] == best && (int64_t)bi[l] < best_i))
+                    best = bv[l], best_i = (int64_t)bi[l];
+        }
+    }
+#endif
+    for (; i < n; i++) {
+        const float v = dtype == 1 ? bf16_to_f32(((const uint16_t *)row)[i]) : ((const float *)row)[i];
+        if (v != v) return i;
+        if (v > best || i == 0) best = v, best_i = i;
+    }
+    return best_i;
+}
+
+/* Greedy tokens: out[i] = argmax_row of row i of logits [n, V] (float32 or bfloat16, rows
+ * row_stride elements apart). Rows are spread over the threads only when there are enough. */
+int argmax_rows_cpu(int64_t *out, const void *logits, int64_t n, int64_t V, int64_t row_stride,
+                    int dtype, int num_threads) {
+    const size_t es = dtype == 1 ? 2 : 4;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (n > 1 && n * V > (1 << 18))
+    for (int64_t r = 0; r < n; r++)
+        out[r] = argmax_row((const char *)logits + (size_t)(r * row_stride) * es, V, dtype);
     return 0;
 }

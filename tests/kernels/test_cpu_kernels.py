@@ -364,3 +364,30 @@ def test_grammar_mask_matches_xgrammar(dtype):
     assert torch.equal(logits.float(), want.to(dtype).float())
     assert torch.isinf(logits[3]).all() and not torch.isinf(logits[1]).any()
     assert torch.isinf(logits[0]).sum() == (want[0] == -torch.inf).sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_are_torchs_max_indices(dtype):
+    """The C argmax picks torch's token on every row: widths around the vector loop's (two
+    vectors of 8 or 16 lanes), ties (the first maximum), rows of -inf, NaNs (the first NaN),
+    and rows strided by more than their width."""
+    from kernels import ops
+
+    if not ops.can_mask_logits(torch.zeros(1, 8)):
+        pytest.skip("no C kernels")
+    torch.manual_seed(1)
+    for vocab in (1, 7, 15, 16, 17, 31, 32, 33, 48, 100, 768, 151936):
+        cases = [torch.randn(6, vocab), torch.zeros(6, vocab), torch.full((6, vocab), -torch.inf)]
+        cases[0][1, vocab // 3] = 1e9  # a clear winner, and row 0's own maximum
+        cases[1][2, vocab // 2:] = 1.0  # ties: the first of the ones
+        nan = torch.randn(6, vocab)
+        nan[0, vocab - 1] = nan[3, vocab // 2] = nan[3, vocab - 1] = nan[4, 0] = torch.nan
+        wide = torch.randn(6, vocab + 5)[:, :vocab]  # rows further apart than their width
+        for logits in [*cases, nan, wide]:
+            logits = logits.to(dtype)
+            got = ops.greedy_tokens(logits)
+            assert got.dtype == torch.int64
+            assert got.tolist() == logits.max(dim=-1).indices.tolist(), (vocab, logits)
+    ties = torch.zeros(3, 40, dtype=dtype)
+    ties[:, [5, 21, 37]] = 2.0
+    assert ops.greedy_tokens(ties).tolist() == [5, 5, 5]
