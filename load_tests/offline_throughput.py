@@ -7,7 +7,9 @@ output lengths uniform in 16..256, ``ignore_eos``, greedy, fixed seed. Request `
 whatever ``--num-prompts`` is, so a smaller run is a prefix of the full one. The checkpoint is a
 random-weight Qwen2 in bfloat16, built once into the cache folder: the Qwen2.5-0.5B shape
 (``--model-size 0.5b``) or a tiny one for quick runs (``--model-size tiny``); or a small
-mixture-of-experts Qwen3-MoE (``--model-size moe``: 16 experts, top-4).
+mixture-of-experts Qwen3-MoE (``--model-size moe``: 16 experts, top-4); or the app's default
+model (``--model-size default``: float32, a 768-token vocabulary; prompt ids below 700, as the
+serving benchmarks send).
 
 Prints one JSON line per backend run, then one with the ratios of the engine's output tokens/s to
 the others'. Timing covers only the generate calls (model loading and a short warm-up excluded).
@@ -97,7 +99,7 @@ def make_workload(num_prompts: int, seed: int, prompt_range: tuple[int, int],
     return Workload(prompts, outs)
 
 
-WARMUP = make_workload(2, 1, (16, 32), (4, 4))
+WARMUP = make_workload(2, 1, (16, 32), (4, 4), 700)  # ids every model here takes
 
 
 # ----------------------------------------------------------------------------- checkpoint
@@ -106,6 +108,9 @@ def checkpoint_path(size: str) -> Path:
     the default model's tokenizer files with the vocabulary padded to the model's)."""
     from engine.envs import cache_dir
 
+    if size == "default":
+        from engine.models.default_model import default_model_path
+        return default_model_path()
     name = {"0.5b": "bench-qwen2-0.5b-shape-v2", "tiny": "bench-qwen2-tiny-v2",
             "moe": "bench-qwen3-moe-v2"}[size]
     path = cache_dir() / name
@@ -583,7 +588,7 @@ def plot(runs: dict[str, list[dict]], path: str, title: str) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-size", choices=sorted(MODEL_SHAPES), default="0.5b")
+    p.add_argument("--model-size", choices=[*sorted(MODEL_SHAPES), "default"], default="0.5b")
     p.add_argument("--backends", default="engine,hf,vllm",
                    help="comma-separated, run in this order (engine, hf, vllm)")
     p.add_argument("--num-prompts", type=int, default=128)
@@ -637,10 +642,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def prompt_vocab(args) -> int:
+    """Prompt ids are drawn below this: the default model's vocabulary is 768 tokens."""
+    return 700 if args.model_size == "default" else VOCAB
+
+
 def run_rounds(backends: list, wl: Workload, args) -> dict[str, list[dict]]:
     runs: dict[str, list[dict]] = {b.name: [] for b in backends}
     for r in range(args.rounds):
-        round_wl = wl.with_fresh_ids(args.seed * 1_000_003 + r) if r else wl
+        round_wl = wl.with_fresh_ids(args.seed * 1_000_003 + r, prompt_vocab(args)) if r else wl
         for b in backends:
             work = round_wl
             if b.name == "hf" and args.hf_num_prompts:
@@ -693,7 +703,7 @@ def main(argv=None) -> None:
     resolve_cpu(args)
     path = checkpoint_path(args.model_size)
     wl = make_workload(args.num_prompts, args.seed, tuple(args.prompt_len),
-                       tuple(args.output_len))
+                       tuple(args.output_len), prompt_vocab(args))
     backends = []
     try:
         for name in args.backends:  # all loaded first, so that rounds can alternate them

@@ -678,6 +678,131 @@ static void attend_tile_qvec(const Item *it, Scratch *w, void *out, const void *
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define ROW_MAX_GROUP 4 /* decode rows of GQA groups up to this size take attend_row_avx2 */
+
+/* Lane i: the sum of a[i]'s lanes. */
+static inline __m256 hsum8(const __m256 a[8]) {
+    const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20),
+                         _mm256_permute2f128_ps(h0123, h4567, 0x31));
+}
+
+static inline float hmax8(__m256 x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+/* The AVX2 decode path (one query row), vectorised along D: for each kv head, keys in groups of
+ * 8 consecutive positions (never across a block: blocks hold a multiple of 8); each head of the
+ * GQA group gets the 8 keys' scores from D/8 FMAs per key and one transposing horizontal sum
+ * (hsum8), a softmax step over that vector, and the 8 value rows accumulated into its D floats.
+ * Where a decode row has few query heads per kv head, the lane-wise tile path would leave most
+ * of its lanes idle. float32 caches are read in place, others converted per group of keys. */
+static void attend_row_avx2(const Item *it, Scratch *w, void *out, const void *query,
+                            const char *k_cache, const char *v_cache, const int32_t *table,
+                            int64_t pos, int num_q_heads, int num_kv_heads, int D,
+                            int block_size, int max_blocks, int64_t q_stride_t,
+                            int64_t out_stride_t, float scale, int window, float softcap,
+                            int dtype, int kv_dtype) {
+    const int group = num_q_heads / num_kv_heads;
+    const size_t es = dt_size(dtype), kes = dt_size(kv_dtype);
+    const int64_t token_stride = (int64_t)num_kv_heads * D;
+    const int64_t block_stride = (int64_t)block_size * token_stride;
+    const int64_t kv_len = pos + 1, first = window_start(pos, window);
+    const char *q_row = (const char *)query + (size_t)it->row0 * q_stride_t * es;
+    float *q = w->q, *acc = w->acc, *m = w->m, *l = w->l; /* q, acc: [group][D] */
+    float *kf = w->kbuf, *vf_ = w->kbuf + 8 * (size_t)D;  /* converted rows (not float32) */
+    const float lane_pos[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+    for (int kvh = it->kvh0; kvh < it->kvh1; kvh++) {
+        for (int g = 0; g < group; g++) {
+            load_row(q + (size_t)g * D, q_row + (size_t)(kvh * group + g) * D * es, D, dtype);
+            for (int d = 0; d < D; d++) q[(size_t)g * D + d] *= scale;
+            memset(acc + (size_t)g * D, 0, sizeof(float) * (size_t)D);
+            m[g] = -INFINITY;
+            l[g] = 0.0f;
+        }
+        for (int64_t p0 = first - first % 8; p0 < kv_len; p0 += 8) {
+            const int64_t jb = p0 / block_size;
+            if (jb >= max_blocks) break;
+            const int64_t blk = table[jb];
+            if (blk < 0) continue;
+            const int n = kv_len - p0 < 8 ? (int)(kv_len - p0) : 8;
+            if (p0 % block_size == 0 && jb + 1 < max_blocks && table[jb + 1] >= 0 &&
+                (jb + 1) * block_size < kv_len) { /* the next block's rows of this kv head */
+                const size_t nb = ((size_t)table[jb + 1] * block_stride + (size_t)kvh * D) * kes;
+                for (int t = 0; t < block_size; t++) {
+                    prefetch_block(k_cache + nb + (size_t)t * token_stride * kes, (size_t)D * kes);
+                    prefetch_block(v_cache + nb + (size_t)t * token_stride * kes, (size_t)D * kes);
+                }
+            }
+            const size_t off = ((size_t)blk * block_stride + (size_t)(p0 % block_size) * token_stride
+                                + (size_t)kvh * D) * kes;
+            const float *krow[8], *vrow[8];
+            for (int i = 0; i < n; i++) {
+                const char *kp = k_cache + off + (size_t)i * token_stride * kes;
+                const char *vp = v_cache + off + (size_t)i * token_stride * kes;
+                if (kv_dtype == 0) {
+                    krow[i] = (const float *)kp, vrow[i] = (const float *)vp;
+                } else {
+                    load_row(kf + (size_t)i * D, kp, D, kv_dtype);
+                    load_row(vf_ + (size_t)i * D, vp, D, kv_dtype);
+                    krow[i] = kf + (size_t)i * D, vrow[i] = vf_ + (size_t)i * D;
+                }
+            }
+            /* lanes of keys past the row, or before its window, score -inf */
+            const __m256 kpos = _mm256_add_ps(_mm256_loadu_ps(lane_pos), _mm256_set1_ps((float)p0));
+            const __m256 live = _mm256_and_ps(
+                _mm256_cmp_ps(kpos, _mm256_set1_ps((float)(kv_len - 1)), _CMP_LE_OQ),
+                _mm256_cmp_ps(kpos, _mm256_set1_ps((float)first), _CMP_GE_OQ));
+            for (int g = 0; g < group; g++) {
+                const float *qg = q + (size_t)g * D;
+                __m256 a[8];
+                for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+                for (int d = 0; d < D; d += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qg + d);
+                    for (int i = 0; i < n; i++) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(krow[i] + d), a[i]);
+                }
+                __m256 sc = hsum8(a);
+                if (softcap > 0.0f) sc = v_softcap(sc, softcap);
+                sc = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sc, live);
+                const float mx = hmax8(sc);
+                if (mx == -INFINITY) continue; /* no live key here for this row */
+                float *ag = acc + (size_t)g * D;
+                if (mx > m[g]) {
+                    const float corr = expf(m[g] - mx); /* 0 while m is -inf */
+                    l[g] *= corr;
+                    for (int d = 0; d < D; d += 8)
+                        _mm256_storeu_ps(ag + d, _mm256_mul_ps(_mm256_loadu_ps(ag + d), _mm256_set1_ps(corr)));
+                    m[g] = mx;
+                }
+                const __m256 pv = v_exp(_mm256_sub_ps(sc, _mm256_set1_ps(m[g])));
+                l[g] += v_sum(pv);
+                float p[8];
+                _mm256_storeu_ps(p, pv);
+                for (int d = 0; d < D; d += 8) {
+                    __m256 av = _mm256_loadu_ps(ag + d);
+                    for (int i = 0; i < n; i++)
+                        av = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), _mm256_loadu_ps(vrow[i] + d), av);
+                    _mm256_storeu_ps(ag + d, av);
+                }
+            }
+        }
+        char *out_row = (char *)out + (size_t)it->row0 * out_stride_t * es;
+        for (int g = 0; g < group; g++) {
+            const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+            float *ag = acc + (size_t)g * D;
+            for (int d = 0; d < D; d++) ag[d] *= inv;
+            store_row(out_row + (size_t)(kvh * group + g) * D * es, ag, D, dtype);
+        }
+    }
+}
+#endif
+
 /* Returns 0, -1 on a bad size, -2 when out of memory. */
 int paged_attention_cpu(
     void *out,                /* [T, Hq, D], row stride out_stride_t, head stride D */
@@ -745,6 +870,15 @@ int paged_attention_cpu(
                     block_tables + (int64_t)b * max_blocks, pos0, num_q_heads, num_kv_heads,
                     block_size, max_blocks, q_stride_t, out_stride_t, scale, window, softcap,
                     dtype, kv_dtype);
+                continue;
+            }
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+            if (it->nrows == 1 && head_size % 8 == 0 && num_q_heads / num_kv_heads <= ROW_MAX_GROUP) {
+                attend_row_avx2(it, &w, out, query, (const char *)k_cache, (const char *)v_cache,
+                                block_tables + (int64_t)b * max_blocks, pos0, num_q_heads,
+                                num_kv_heads, head_size, block_size, max_blocks, q_stride_t,
+                                out_stride_t, scale, window, softcap, dtype, kv_dtype);
                 continue;
             }
 #endif
