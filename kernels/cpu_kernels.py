@@ -2,8 +2,8 @@
 
 ``paged_attention_cpu.c`` is paged attention over the block table (no gather, no padding);
 ``elementwise_cpu.c`` holds RMSNorm (+ fused residual add), SiLU-and-multiply, rotary embedding,
-the KV-cache store, grammar masks of logits and greedy argmax, each one pass over memory; ``int8_linear_cpu.c``
-the int8 linear layers (activations quantized per row, VNNI dot products where the CPU has
+the KV-cache store, grammar masks of logits and greedy argmax, each one pass over memory;
+``int8_linear_cpu.c`` the int8 linear layers (activations quantized per row, VNNI dot products where the CPU has
 them), ``dense_linear_cpu.c`` float32 and bfloat16 ones. AVX-512 or AVX2 loops where the CPU
 has them, plain C elsewhere; float32 and bfloat16.
 
@@ -289,16 +289,6 @@ def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) ->
         logits.data_ptr(), logits.stride(0), bits.data_ptr(), bits.shape[1], idx.data_ptr(),
         len(rows), logits.shape[1], DTYPES[logits.dtype], torch.get_num_threads()),
         "mask_logits_cpu")
-
-
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.max(dim=-1).indices`` (int64 [rows]): the first of equal maxima, the first NaN
-    of a row that has one; one pass over the rows (``supports_mask`` first)."""
-    out = torch.empty(logits.shape[0], dtype=torch.int64)
-    _check(_library().argmax_rows_cpu(
-        out.data_ptr(), logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0),
-        DTYPES[logits.dtype], torch.get_num_threads()), "argmax_rows_cpu")
-    return out
 
 
 def call(name: str, *args: object) -> int:
