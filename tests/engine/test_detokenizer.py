@@ -51,3 +51,24 @@ def test_include_stop_string_and_earliest_match_wins(tok):
         if stop:
             break
     assert stop == "🌍" and out == "Ωμέγα Привет 中国 🎉🌍"
+
+
+def test_rust_decode_is_transformers_decode(tok):
+    """Streams decode through the Rust tokenizer directly where that gives transformers'
+    text: every window of ids, special tokens kept or skipped; a tokenizer that cleans up
+    spaces keeps transformers' own decode."""
+    import copy
+
+    from engine.detokenizer import backend_decode
+
+    fast = backend_decode(tok)
+    assert fast is not None and TextStream(tok, [0])._fast == fast
+    ids = list(range(len(tok)))
+    for skip in (True, False):
+        for i in range(0, len(ids), 5):
+            window = ids[i : i + 11]
+            assert fast(window, skip_special_tokens=skip) == tok.decode(
+                window, skip_special_tokens=skip)
+    cleaning = copy.copy(tok)
+    cleaning.clean_up_tokenization_spaces = True
+    assert backend_decode(cleaning) is None and TextStream(cleaning, [0])._fast is None
