@@ -88,6 +88,15 @@ static void prefetch_block(const char *p, size_t bytes) {
     for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 1);
 }
 
+/* The signature every general attention path shares (attend_item, attend_tile_qvec,
+ * attend_row_avx2): one item of the batch, written into out. */
+typedef void (*attend_fn)(const Item *it, Scratch *w, void *out, const void *query,
+                          const char *k_cache, const char *v_cache, const int32_t *table,
+                          int64_t pos0, int num_q_heads, int num_kv_heads, int head_size,
+                          int block_size, int max_blocks, int64_t q_stride_t,
+                          int64_t out_stride_t, float scale, int window, float softcap,
+                          int dtype, int kv_dtype);
+
 /* One item: rows row0..row0+nrows-1 (positions pos0.. consecutive) of sequence `seq`, kv heads
  * kvh0..kvh1-1. The general path in plain C, for what the AVX-512 paths below do not take
  * (head sizes not a multiple of 16, CPUs without AVX-512). */
@@ -873,28 +882,19 @@ int paged_attention_cpu(
                 continue;
             }
 #endif
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-            if (it->nrows == 1 && head_size % 8 == 0 && num_q_heads / num_kv_heads <= ROW_MAX_GROUP) {
-                attend_row_avx2(it, &w, out, query, (const char *)k_cache, (const char *)v_cache,
-                                block_tables + (int64_t)b * max_blocks, pos0, num_q_heads,
-                                num_kv_heads, head_size, block_size, max_blocks, q_stride_t,
-                                out_stride_t, scale, window, softcap, dtype, kv_dtype);
-                continue;
-            }
-#endif
+            attend_fn path = attend_item; /* the plain-C path takes every item */
 #ifdef VF
-            if (head_size % 8 == 0 && (int64_t)ROWS * (num_q_heads / num_kv_heads) + VW <= QVEC_MAX_LANES) {
-                attend_tile_qvec(it, &w, out, query, (const char *)k_cache, (const char *)v_cache,
-                                 block_tables + (int64_t)b * max_blocks, pos0, num_q_heads,
-                                 num_kv_heads, head_size, block_size, max_blocks, q_stride_t,
-                                 out_stride_t, scale, window, softcap, dtype, kv_dtype);
-                continue;
-            }
+            if (head_size % 8 == 0 && (int64_t)ROWS * (num_q_heads / num_kv_heads) + VW <= QVEC_MAX_LANES)
+                path = attend_tile_qvec;
 #endif
-            attend_item(it, &w, out, query, (const char *)k_cache, (const char *)v_cache,
-                        block_tables + (int64_t)b * max_blocks, pos0, num_q_heads, num_kv_heads,
-                        head_size, block_size, max_blocks, q_stride_t, out_stride_t, scale, window,
-                        softcap, dtype, kv_dtype);
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+            if (it->nrows == 1 && head_size % 8 == 0 && num_q_heads / num_kv_heads <= ROW_MAX_GROUP)
+                path = attend_row_avx2;
+#endif
+            path(it, &w, out, query, (const char *)k_cache, (const char *)v_cache,
+                 block_tables + (int64_t)b * max_blocks, pos0, num_q_heads, num_kv_heads,
+                 head_size, block_size, max_blocks, q_stride_t, out_stride_t, scale, window,
+                 softcap, dtype, kv_dtype);
         }
         free(w.q); free(w.acc); free(w.m); free(w.l); free(w.s); free(w.kbuf);
     }
