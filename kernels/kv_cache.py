@@ -17,9 +17,12 @@ FP8_KV_DTYPE = FP8  # what an fp8 cache holds (the FP8 type of the weights)
 
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
-    """x as the cache stores it: fp8 after multiplying by the float32 inverse of ``scale``."""
+    """x as the cache stores it: fp8 after multiplying by the float32 inverse of ``scale``,
+    saturated at +-448 (NaN stays NaN). The clamp is explicit because torch's own conversion
+    changed between versions: the GPU image's torch 2.11 gave NaN for infinities and values
+    past 480 where 2.13 saturates, so the reference, the C kernel and Triton disagreed there."""
     if dtype == FP8_KV_DTYPE:
-        return (x.float() * (1.0 / scale)).to(dtype)
+        return (x.float() * (1.0 / scale)).clamp(-448.0, 448.0).to(dtype)
     return x.to(dtype)
 
 
@@ -42,20 +45,23 @@ def store_kv_cache_ref(
 
 
 @triton.jit
-def round_to_fp8(x):
-    """float32 x rounded to the nearest fp8 E4M3 value (ties to even, saturated at +-448, NaN
-    kept), still float32, so the conversion that follows is exact. Rounding here rather than
-    in the conversion gives the same bits everywhere: the interpreter's own rounding loses the
-    carry into the exponent (1.97 becomes 1.0) and the subnormals."""
-    bits = x.to(tl.uint32, bitcast=True)
-    a = tl.minimum(tl.abs(x), 448.0)
-    u = a.to(tl.uint32, bitcast=True)
-    u = (u + 0x7FFFF + ((u >> 20) & 1)) & 0xFFF00000  # 3 mantissa bits, ties to even
-    normal = u.to(tl.float32, bitcast=True)
-    sub = (a + 16384.0) - 16384.0  # below 2^-6: multiples of 2^-9 (the ulp of 2^14)
-    r = tl.where(a < 0.015625, sub, normal)
-    r = (r.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
-    return tl.where(x != x, x, r)
+def fp8_bits(x):
+    """The fp8 E4M3 byte of float32 x (rounded to nearest even, saturated at +-448, NaN kept as
+    NaN), built from x's bits as the C kernels' ``f32_to_fp8`` does. Built by hand rather than
+    by Triton's conversion, the bytes are the same everywhere: the interpreter's conversion loses
+    the carry into the exponent (1.97 becomes 1.0), the subnormals and NaN (it gives 256), and
+    sm_90's saturating conversion gave no NaN for a NaN key."""
+    u = x.to(tl.uint32, bitcast=True)
+    sign = (u >> 24) & 0x80
+    a = u & 0x7FFFFFFF
+    tiny = a < 0x3C800000  # below 2^-6: subnormal steps of 2^-9, rounded by a float add
+    small = tl.where(tiny, a.to(tl.float32, bitcast=True), 0.0)
+    sub = (((small + 16384.0) - 16384.0) * 512.0).to(tl.uint32)
+    normal = (((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)) & 0x7F
+    mag = tl.where(tiny, sub, normal)
+    mag = tl.where(a >= 0x43E00000, 0x7E, mag)  # 448 and above, infinities too
+    mag = tl.where(a > 0x7F800000, 0x7F, mag)  # NaN
+    return (sign | mag).to(tl.uint8)
 
 
 @triton.jit
@@ -87,11 +93,12 @@ def _store_kv_kernel(
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co + heads * stride_ch + dims
     k = tl.load(key_ptr + tok * stride_kt + heads * stride_kh + dims, mask=mask)
     v = tl.load(value_ptr + tok * stride_vt + heads * stride_vh + dims, mask=mask)
-    if FP8:
-        k = round_to_fp8(k.to(tl.float32) * k_inv_scale)
-        v = round_to_fp8(v.to(tl.float32) * v_inv_scale)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    if FP8:  # the caches come as bytes
+        tl.store(k_cache_ptr + dst, fp8_bits(k.to(tl.float32) * k_inv_scale), mask=mask)
+        tl.store(v_cache_ptr + dst, fp8_bits(v.to(tl.float32) * v_inv_scale), mask=mask)
+    else:
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_store_args(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -133,11 +140,14 @@ def store_kv_cache_triton(
     tokens, num_kv_heads, head_size = key.shape
     if tokens == 0:
         return
+    fp8 = k_cache.dtype == FP8_KV_DTYPE
+    if fp8:  # the kernel writes the fp8 bytes it builds (fp8_bits)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     _store_kv_kernel[(tokens,)](
         key, value, k_cache, v_cache, slot_mapping, 1.0 / k_scale, 1.0 / v_scale,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         num_kv_heads, head_size,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_H=next_power_of_2(num_kv_heads),
-        BLOCK_D=next_power_of_2(head_size), FP8=k_cache.dtype == FP8_KV_DTYPE, num_warps=4,
+        BLOCK_D=next_power_of_2(head_size), FP8=fp8, num_warps=4,
     )
