@@ -16,12 +16,14 @@ FAIL:
 3. ``nccl_graph``: a one-rank NCCL group's ``all_reduce`` captured in a CUDA graph, replayed.
 4. ``performance``: decode ms per step with CUDA graphs at batch 1-256 and contexts 1k and 8k,
    as a fraction of the HBM floor (weights + KV bytes read per step at the measured copy
-   bandwidth); tokens/s against Hugging Face ``generate`` on the same workload; decode with
+   bandwidth) and beside the GPU time of the step's CUDA graph alone; tokens/s against
+   Hugging Face ``generate`` on the same workload; decode with
    ``quantization=int8`` (the Triton W8A16 matmul) and ``quantization=fp8`` (W8A8 through
    ``torch._scaled_mm``) at the first two shapes and with
    ``kv_cache_dtype=fp8`` at the 8k-context ones against the plain dtype (with the KV blocks
    each gets). Goals, reported
-   as checks: batch-1 decode within 1.25x of the floor, 10x HF or more. (Paged attention
+   as checks: a batch-1 decode step within ``HOST_GOAL`` of its graph's GPU time, 10x HF or
+   more. (Paged attention
    against copy bandwidth: ``load_tests/kernel_bench.py``, run by ``gpu_check.sh``.)
 
 ``GPU_CHECK_DRY=1`` (CI, on a CPU) runs the same script end to end: steps that need CUDA report
@@ -49,6 +51,18 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "load_tests"))
 
 LOGPROB_TOL = 0.05  # bf16 Triton vs the torch reference, graphs vs eager
+# Two greedy runs may part at a near tie: the tokens' logprobs (or HF's logits) within this.
+# The first H200 run (2026-12-04) parted Triton from the torch reference and HF from the engine
+# (81% strict top-1) on the random bfloat16 0.5B checkpoint, whose logits are nearly flat.
+TIE_TOL = 0.1
+TOP = 5  # logprobs asked for per token, so a parting's gaps can be read in both runs
+# A batch-1 decode step at most this many times its CUDA graph's GPU time: what the engine adds
+# on the host (scheduling, inputs, sampling, the token's copy back). The HBM floor (weights and
+# KV read once at copy bandwidth) is reported beside it, not a goal: on the first H200 run
+# (2026-12-04) a 24-layer 0.5B model's ~250 kernels at batch 1 take far longer than its 1 GB
+# of weights at 4 TB/s, so that floor measures launch latency, not the engine.
+HOST_GOAL = 1.25
+KERNEL_S = 200  # pytest -m gpu tests/kernels
 REQUIRED = ("torch", "triton", "transformers", "safetensors", "tokenizers", "pydantic", "yaml",
             "tqdm", "numpy", "compressed_tensors")
 PROMPTS = [[0, *range(100, 140)], [0, 17, 230, 455, 12], [5, 6, 7, 8, 9, 10, 11, 12]]
@@ -113,12 +127,20 @@ def preflight(c: Check) -> dict[str, Any]:
 def kernel_tests(c: Check) -> dict[str, Any]:
     if c.dry:
         raise Skip("needs CUDA (CI runs these kernels under the interpreter)")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-m", "gpu",
-                           "tests/kernels", "-p", "no:cacheprovider"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=135)
-    (c.out / "kernel_tests.log").write_text(proc.stdout + proc.stderr)
-    tail = proc.stdout.strip().splitlines()[-1:] or [""]
-    return _failed({"pytest": tail[0]}, [] if proc.returncode == 0 else [tail[0]])
+    # Several workers where pytest-xdist is there: most of the time is Triton compiling each
+    # variant once, which the machine's cores share out.
+    workers = ["-n", "8"] if importlib.util.find_spec("xdist") is not None else []
+    cmd = [sys.executable, "-m", "pytest", "-q", "--maxfail=10", "-m", "gpu", *workers,
+           "tests/kernels", "-p", "no:cacheprovider"]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=KERNEL_S)
+        out, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:  # what ran is still reported
+        out = "".join(x.decode() if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr))
+        out, rc = out + f"\ntimed out after {KERNEL_S}s", 1
+    (c.out / "kernel_tests.log").write_text(out)
+    tail = out.strip().splitlines()[-1:] or [""]
+    return _failed({"pytest": tail[0]}, [] if rc == 0 else [tail[0]])
 
 
 def _checkpoint(c: Check) -> Path:
@@ -141,18 +163,34 @@ def _generate(llm: Any, backend: str | None = None) -> list[Any]:
     from engine import SamplingParams
     from kernels import ops
 
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=TOP)
     inputs = [{"prompt_token_ids": p} for p in PROMPTS]
     with ops.backend(backend or ops.get_backend()):
         return [o.outputs[0] for o in llm.generate(inputs, params, use_tqdm=False)]
 
 
-def _compare(a: list[Any], b: list[Any]) -> tuple[bool, float]:
-    """Same greedy tokens, and the largest difference of the chosen tokens' logprobs."""
-    same = [x.token_ids for x in a] == [y.token_ids for y in b]
-    diff = max((abs(next(iter(la.values())) - next(iter(lb.values())))
-                for x, y in zip(a, b) for la, lb in zip(x.logprobs, y.logprobs)), default=0.0)
-    return same, diff
+def _compare(a: list[Any], b: list[Any]) -> dict[str, Any]:
+    """Two greedy runs of the same prompts, compared as far as they are comparable: equal up to
+    the first token where a sequence parts, which must be a near tie in both runs (each one's
+    token among the other's ``TOP`` with a logprob within ``TIE_TOL`` of the other's pick), and
+    the chosen tokens' logprobs within ``LOGPROB_TOL`` up to there. After a parting the two
+    continue from different text, so nothing later is compared. Random bfloat16 checkpoints
+    have flat logits (many near ties), which is why a parting alone is not a failure."""
+    diff, parted, failures = 0.0, [], []
+    for n, (x, y) in enumerate(zip(a, b)):
+        for i, (tx, ty, lx, ly) in enumerate(zip(x.token_ids, y.token_ids, x.logprobs,
+                                                 y.logprobs)):
+            if tx == ty:
+                diff = max(diff, abs(lx[tx] - ly[tx]))
+                continue
+            gaps = [lx[tx] - lx.get(ty, -float("inf")), ly[ty] - ly.get(tx, -float("inf"))]
+            parted.append({"prompt": n, "position": i, "gaps": [round(g, 4) for g in gaps]})
+            if max(gaps) > TIE_TOL:
+                failures.append(f"prompt {n} parts at token {i} with no near tie (gaps {gaps})")
+            break
+    if diff >= LOGPROB_TOL:
+        failures.append(f"chosen tokens' logprobs differ by {diff:.4f} (tolerance {LOGPROB_TOL})")
+    return {"parted": parted, "max_logprob_diff": round(diff, 5), "failures": failures}
 
 
 def engine(c: Check) -> dict[str, Any]:
@@ -166,23 +204,21 @@ def engine(c: Check) -> dict[str, Any]:
     eager = LLM(str(path), enforce_eager=True, **common)
     ref = _generate(eager, "reference")
     fast = _generate(eager, "auto")  # Triton on CUDA; the C kernels on a dry run
-    same, diff = _compare(ref, fast)
-    data: dict[str, Any] = {"kernels_vs_reference": {"greedy_equal": same, "max_logprob_diff": diff}}
-    failures = [] if same and diff < LOGPROB_TOL else [f"kernels vs reference: {data}"]
-    runner = eager.engine.runner
-    data["kv"] = {"weight_bytes": weight_bytes(runner.model), "num_blocks": runner.num_blocks}
+    data: dict[str, Any] = {"kernels_vs_reference": _compare(ref, fast)}
+    failures = [f"kernels vs reference: {f}" for f in data["kernels_vs_reference"]["failures"]]
+    data["kv"] = {"weight_bytes": weight_bytes(eager.engine.runner.model),
+                  "num_blocks": eager.engine.runner.num_blocks}
     data["hf_teacher_forced"] = _hf_teacher_forced(path, eager, c.device)
-    if data["hf_teacher_forced"]["top1_agreement"] < 0.95:
-        failures.append(f"HF top-1 agreement {data['hf_teacher_forced']['top1_agreement']}")
+    if data["hf_teacher_forced"]["top1_within_tie"] < 0.95:
+        failures.append(f"HF top-1 agreement {data['hf_teacher_forced']}")
     del eager
+    _release(c.device)  # the next engine sizes its KV cache from the memory left free
     if not c.dry:
         import torch
 
         graphs = LLM(str(path), **common)
-        same_g, diff_g = _compare(ref, _generate(graphs))
-        data["graphs_vs_eager"] = {"greedy_equal": same_g, "max_logprob_diff": diff_g}
-        if not same_g or diff_g >= LOGPROB_TOL:
-            failures.append(f"graphs vs reference: {data['graphs_vs_eager']}")
+        data["graphs_vs_eager"] = _compare(fast, _generate(graphs))
+        failures += [f"graphs vs eager: {f}" for f in data["graphs_vs_eager"]["failures"]]
         free, total = torch.cuda.mem_get_info()
         data["kv"]["used_fraction_after_capture"] = round(1 - free / total, 3)
         data["kv"]["gpu_memory_utilization"] = graphs.config.cache.gpu_memory_utilization
@@ -191,7 +227,8 @@ def engine(c: Check) -> dict[str, Any]:
 
 def _hf_teacher_forced(path: Path, llm: Any, device: str) -> dict[str, Any]:
     """HF on the same device over each prompt and the engine's continuation: how often its
-    top-1 next token equals the engine's greedy one, and the largest logit difference."""
+    top-1 next token is the engine's greedy one, and how often the engine's token is within
+    ``TIE_TOL`` of HF's top logit (a near tie that bfloat16 rounding may decide either way)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -199,15 +236,19 @@ def _hf_teacher_forced(path: Path, llm: Any, device: str) -> dict[str, Any]:
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=llm.engine.dtype).to(device).eval()
     outs = _generate(llm, ops.get_backend())
-    agree = total = 0
+    agree = near = total = 0
     for prompt, out in zip(PROMPTS, outs):
         ids = torch.tensor([prompt + out.token_ids[:-1]], device=device)
         with torch.inference_mode():
             logits = hf(ids).logits[0, len(prompt) - 1:].float()
-        agree += int((logits.argmax(-1).cpu() == torch.tensor(out.token_ids)).sum())
+        chosen = torch.tensor(out.token_ids, device=device)
+        agree += int((logits.argmax(-1) == chosen).sum())
+        picked = logits.gather(1, chosen[:, None])[:, 0]
+        near += int((picked >= logits.max(-1).values - TIE_TOL).sum())
         total += len(out.token_ids)
     del hf
-    return {"top1_agreement": round(agree / total, 3), "tokens": total}
+    return {"top1_agreement": round(agree / total, 3),
+            "top1_within_tie": round(near / total, 3), "tokens": total}
 
 
 def nccl_graph(c: Check) -> dict[str, Any]:
@@ -250,6 +291,38 @@ def _copy_gbps(device: str) -> float:
     return 2 * x.numel() / best / 1e9
 
 
+def _release(device: str) -> None:
+    """Free what a deleted engine held, so the next one's KV sizing sees the memory free."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _graph_ms(llm: Any, batch: int) -> float | None:
+    """GPU ms of one replay of the CUDA graph a decode step of ``batch`` sequences runs (its
+    buffers as the last step left them, storing no keys), or None without graphs."""
+    import torch
+
+    graphs = getattr(llm.engine.runner, "graphs", None)
+    if graphs is None:
+        return None
+    bs = next(s for s in graphs.buckets if s >= batch)
+    graphs.slot_mapping[:bs] = -1
+    graph = graphs.graphs[bs]
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(50):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return float(start.elapsed_time(end)) / 50
+
+
 def _sync(device: str) -> None:
     import torch
 
@@ -259,11 +332,11 @@ def _sync(device: str) -> None:
 
 def _decode_ms(llm: Any, batch: int, context: int, new: int) -> float:
     """ms per decode step at ``batch`` sequences of ``context`` tokens (quant_bench's method,
-    one run each)."""
+    best of two runs: the first of a shape pays Triton's compiles for it)."""
     from quant_bench import decode_tok_s
 
     return batch / decode_tok_s(llm, batch, new, seed=batch * 7919 + context, context=context,
-                                repeats=1) * 1e3
+                                repeats=2) * 1e3
 
 
 def performance(c: Check) -> dict[str, Any]:
@@ -287,13 +360,17 @@ def performance(c: Check) -> dict[str, Any]:
         floor_ms = (weights + batch * context * kv_per_token) / (gbps * 1e9) * 1e3
         rows.append({"batch": batch, "context": context, "ms_per_step": round(ms, 3),
                      "hbm_floor_ms": round(floor_ms, 3), "x_floor": round(ms / floor_ms, 2)})
+        graph_ms = _graph_ms(llm, batch)
+        if graph_ms is not None:  # the step's GPU forward alone; the rest is host and sampling
+            rows[-1].update(graph_ms=round(graph_ms, 3),
+                            graph_x_floor=round(graph_ms / floor_ms, 2))
         print(json.dumps(rows[-1]), flush=True)
     data: dict[str, Any] = {"copy_gbps": round(gbps, 1), "decode": rows,
                             "vs_hf": _vs_hf(path, llm, c)}
     plain = {"dtype": str(llm.engine.dtype).split(".")[1],
              "max_model_len": llm.engine.max_model_len}
     plain_blocks = llm.engine.runner.num_blocks
-    del llm  # its KV cache holds the memory the variants need
+    del llm  # its KV cache holds the memory the variants need (_variant_rows releases it)
     long = [i for i, (_, n) in enumerate(shapes) if n == max(n for _, n in shapes)][:2]
     data["int8_decode"] = _variant_rows(path, plain, rows, [0, 1], new, c, "int8",
                                         {"quantization": "int8"})
@@ -303,8 +380,10 @@ def performance(c: Check) -> dict[str, Any]:
                                           {"kv_cache_dtype": "fp8"}, plain_blocks)
     failures = []
     if not c.dry:
-        if rows[0]["x_floor"] > 1.25:
-            failures.append(f"batch-1 decode {rows[0]['x_floor']}x the HBM floor (goal 1.25x)")
+        step, graph = rows[0]["ms_per_step"], rows[0].get("graph_ms")
+        if graph is None or step > HOST_GOAL * graph:
+            failures.append(f"batch-1 decode step {step} ms against its graph's {graph} ms "
+                            f"(goal: at most {HOST_GOAL}x, the rest being host work)")
         if data["vs_hf"]["ratio"] < 10:
             failures.append(f"{data['vs_hf']['ratio']}x HF generate (goal 10x)")
     return _failed(data, failures)
@@ -317,17 +396,11 @@ def _variant_rows(path: Path, plain: dict[str, Any], rows: list[dict[str, Any]],
     max_model_len) at the shapes of ``rows[i]`` for i in ``which``, each against that row;
     with ``plain_blocks``, its KV blocks against those too. A GPU that cannot run the variant
     (fp8 below compute capability 8.9) gives the reason instead."""
-    import gc
-
-    import torch
-
     from engine import LLM
 
     kwargs = dict(plain, device=c.device, **settings,
                   **({"kv_cache_memory_bytes": 64 << 20} if c.dry else {}))
-    gc.collect()
-    if c.device == "cuda":
-        torch.cuda.empty_cache()
+    _release(c.device)
     try:
         llm = LLM(str(path), **kwargs)
     except ValueError as e:
@@ -372,10 +445,10 @@ def _vs_hf(path: Path, llm: Any, c: Check) -> dict[str, Any]:
             "ratio": round(hf_s / engine_s, 2)}
 
 
-# time limits (s): 420 in all, under the 8 minutes gpu_check.sh gives this script
+# time limits (s): 530 in all, under the 9 minutes gpu_check.sh gives this script
 STEPS: list[tuple[str, float, Callable[[Check], dict[str, Any]]]] = [
-    ("preflight", 20, preflight), ("kernel_tests", 140, kernel_tests), ("engine", 100, engine),
-    ("nccl_graph", 20, nccl_graph), ("performance", 140, performance)]
+    ("preflight", 20, preflight), ("kernel_tests", KERNEL_S + 10, kernel_tests),
+    ("engine", 100, engine), ("nccl_graph", 20, nccl_graph), ("performance", 180, performance)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,8 @@ def test_gpu_check_dry_run(tmp_path):
         "performance": "PASS"}
     assert "CUDA" in steps["kernel_tests"]["reason"]
     engine = steps["engine"]
-    assert engine["kernels_vs_reference"]["greedy_equal"]
+    assert engine["kernels_vs_reference"]["parted"] == []  # float32: no near ties decided apart
+    assert engine["kernels_vs_reference"]["max_logprob_diff"] < 1e-3
     assert engine["hf_teacher_forced"]["top1_agreement"] >= 0.95
     assert engine["kv"]["num_blocks"] > 0 and engine["kv"]["weight_bytes"] > 0
     perf = steps["performance"]
@@ -40,3 +41,32 @@ def test_gpu_check_dry_run(tmp_path):
     assert [(r["batch"], r["kv_blocks_vs_plain"]) for r in perf["fp8_kv_decode"]] == \
         [(1, 4.0), (4, 4.0)]
     assert proc.stdout.rstrip().splitlines()[-2] == "PASS"  # the verdict line
+
+
+def _run(tokens, logprobs):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(token_ids=tokens, logprobs=logprobs)
+
+
+def test_greedy_runs_may_part_only_at_a_near_tie():
+    sys.path.insert(0, str(ROOT / "load_tests"))
+    from gpu_check import TIE_TOL, _compare
+
+    a = [_run([5, 7, 9], [{5: -1.0, 6: -3.0}, {7: -2.0, 8: -2.05}, {9: -0.5}])]
+    # Parts at token 1, a near tie in both runs: passes; the later token is not compared.
+    b = [_run([5, 8, 4], [{5: -1.02, 6: -3.0}, {8: -2.01, 7: -2.03}, {4: -9.0}])]
+    got = _compare(a, b)
+    assert got["parted"] == [{"prompt": 0, "position": 1, "gaps": [0.05, 0.02]}]
+    assert got["failures"] == [] and got["max_logprob_diff"] == 0.02
+    # The same parting where b's pick is far below a's in a's own logprobs: a failure.
+    got = _compare([_run([5, 7], [{5: -1.0}, {7: -2.0, 8: -2.0 - 2 * TIE_TOL}])], b)
+    assert got["parted"] == [{"prompt": 0, "position": 1, "gaps": [round(2 * TIE_TOL, 4), 0.02]}]
+    assert len(got["failures"]) == 1
+    assert got["failures"][0].startswith("prompt 0 parts at token 1 with no near tie")
+    # b's pick missing from a's logprobs altogether: an infinite gap, a failure.
+    got = _compare([_run([5, 7], [{5: -1.0}, {7: -2.0}])], b)
+    assert got["parted"][0]["gaps"][0] == float("inf") and len(got["failures"]) == 1
+    # Equal tokens whose logprobs differ beyond the tolerance: a failure.
+    got = _compare(a, [_run([5, 7, 9], [{5: -1.2}, {7: -2.0}, {9: -0.5}])])
+    assert got["parted"] == [] and got["failures"][0].startswith("chosen tokens' logprobs differ")
