@@ -10,6 +10,7 @@ logprobs also gets the rows of its prompt positions not yet scored, after the sa
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import NamedTuple
 
 import numpy as np
@@ -34,25 +35,36 @@ class HostBatch(NamedTuple):
 
 
 def lay_out(sched: SchedulerOutput, block_size: int) -> HostBatch:
-    """``sched``'s new tokens as one flat batch."""
+    """``sched``'s new tokens as one flat batch. A decode row (one new token) is laid out in
+    plain Python and a chunk of several tokens with numpy; the block tables are filled in one
+    numpy assignment. (Per-row numpy calls cost ~8 us a row, 2 ms a step at 256 sequences.)"""
     bs = block_size
+    scheduled = sched.scheduled
     ids: list[int] = []
-    positions, slots = [], []
+    pos_parts: list[np.ndarray] = []
+    slot_parts: list[np.ndarray] = []
+    positions: list[int] = []  # decode rows since the last chunk
+    slots: list[int] = []
     seq_lens, q_starts = [], [0]
     sample_idx: list[int] = []
     sample_reqs: list[Request] = []
     prompt_idx: list[int] = []
     prompt_rows: list[tuple[Request, int]] = []
-    max_blocks = max(len(r.block_ids) for r, _ in sched.scheduled)
-    tables = np.zeros((len(sched.scheduled), max_blocks), dtype=np.int32)
-    for b, (req, n) in enumerate(sched.scheduled):
+    for req, n in scheduled:
         start, end = req.num_computed_tokens, req.num_computed_tokens + n
-        ids.extend(req.all_token_ids[start:end])
-        table = np.asarray(req.block_ids, dtype=np.int64)
-        tables[b, : len(table)] = table
-        pos = np.arange(start, end)
-        positions.append(pos)
-        slots.append(table[pos // bs] * bs + pos % bs)
+        blocks = req.block_ids
+        if n == 1:
+            ids.append(req.all_token_ids[start])
+            positions.append(start)
+            slots.append(blocks[start // bs] * bs + start % bs)
+        else:
+            ids.extend(req.all_token_ids[start:end])
+            pos_parts.append(np.array(positions, dtype=np.int64))
+            slot_parts.append(np.array(slots, dtype=np.int64))
+            positions, slots = [], []
+            pos = np.arange(start, end)
+            pos_parts.append(pos)
+            slot_parts.append(np.asarray(blocks, dtype=np.int64)[pos // bs] * bs + pos % bs)
         seq_lens.append(end)
         q_starts.append(q_starts[-1] + n)
         if end == req.num_tokens:
@@ -64,7 +76,19 @@ def lay_out(sched: SchedulerOutput, block_size: int) -> HostBatch:
             prompt_idx.extend(q_starts[-2] + p - start for p in rows)
             if rows:
                 prompt_rows.append((req, len(rows)))
-    return HostBatch(np.array(ids, dtype=np.int64), np.concatenate(positions),
-                     np.concatenate(slots), tables, np.array(seq_lens, dtype=np.int32),
-                     np.array(q_starts, dtype=np.int32), max(n for _, n in sched.scheduled),
-                     sample_idx + prompt_idx, sample_reqs, prompt_rows)
+    pos_parts.append(np.array(positions, dtype=np.int64))
+    slot_parts.append(np.array(slots, dtype=np.int64))
+    return HostBatch(np.array(ids, dtype=np.int64), np.concatenate(pos_parts),
+                     np.concatenate(slot_parts), _block_tables(scheduled),
+                     np.array(seq_lens, dtype=np.int32), np.array(q_starts, dtype=np.int32),
+                     max(n for _, n in scheduled), sample_idx + prompt_idx, sample_reqs,
+                     prompt_rows)
+
+
+def _block_tables(scheduled: list[tuple[Request, int]]) -> np.ndarray:
+    """Each request's block ids as a row, padded with 0 to the longest."""
+    lens = np.array([len(req.block_ids) for req, _ in scheduled])
+    tables = np.zeros((len(scheduled), int(lens.max())), dtype=np.int32)
+    tables[np.arange(tables.shape[1]) < lens[:, None]] = np.fromiter(
+        chain.from_iterable(req.block_ids for req, _ in scheduled), np.int32, int(lens.sum()))
+    return tables
