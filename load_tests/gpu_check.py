@@ -365,8 +365,10 @@ def performance(c: Check) -> dict[str, Any]:
             rows[-1].update(graph_ms=round(graph_ms, 3),
                             graph_x_floor=round(graph_ms / floor_ms, 2))
         print(json.dumps(rows[-1]), flush=True)
+    profiles = {f"batch {b} context {n}": _step_profile(llm, b, n, new, c)
+                for b, n in (shapes[0], max(shapes))}  # batch 1 and the largest batch
     data: dict[str, Any] = {"copy_gbps": round(gbps, 1), "decode": rows,
-                            "vs_hf": _vs_hf(path, llm, c)}
+                            "step_profile": profiles, "vs_hf": _vs_hf(path, llm, c)}
     plain = {"dtype": str(llm.engine.dtype).split(".")[1],
              "max_model_len": llm.engine.max_model_len}
     plain_blocks = llm.engine.runner.num_blocks
@@ -387,6 +389,23 @@ def performance(c: Check) -> dict[str, Any]:
         if data["vs_hf"]["ratio"] < 10:
             failures.append(f"{data['vs_hf']['ratio']}x HF generate (goal 10x)")
     return _failed(data, failures)
+
+
+def _step_profile(llm: Any, batch: int, context: int, new: int, c: Check) -> dict[str, float]:
+    """ms per decode step by part (schedule, prepare, forward, logits, sample, other) at one
+    shape: where a step's host time goes (offline_throughput's StepTimers, synced on CUDA)."""
+    import torch
+    from offline_throughput import StepTimers
+
+    timers = StepTimers(llm.engine, sync=torch.cuda.synchronize if c.device == "cuda" else None)
+    try:
+        _decode_ms(llm, batch, context, new)
+    finally:
+        timers.restore()
+    profile = timers.decode_ms()
+    print(json.dumps({"step_profile": {"batch": batch, "context": context, **profile}}),
+          flush=True)
+    return profile
 
 
 def _variant_rows(path: Path, plain: dict[str, Any], rows: list[dict[str, Any]],

@@ -376,10 +376,14 @@ BACKENDS = {"engine": EngineBackend, "hf": HFBackend, "vllm": VLLMBackend}
 
 # ----------------------------------------------------------------------------- profile
 class StepTimers:
-    """Wraps the engine's step parts with wall-clock timers (CPU: no device sync needed).
+    """Wraps the engine's step parts with wall-clock timers. On the CPU the parts need no
+    device sync; on CUDA pass ``sync`` (``torch.cuda.synchronize``), called as each top-level
+    part ends, so a part's time includes its kernels (the step already waits for its tokens,
+    so the syncs add little).
 
     Parts: ``schedule`` (Scheduler.schedule), ``prepare`` (ModelRunner.prepare), ``forward``
-    (the model's forward), ``logits`` (compute_logits), ``sample`` (the sampler), and ``other``:
+    (the model's forward, eager or a CUDA graph's replay), ``logits`` (compute_logits),
+    ``sample`` (the sampler), and ``other``:
     the rest of ``LLMEngine.step`` (finish_step, appending tokens, stop checks, outputs). The
     forward is split further by the kernel entry points in ``kernels.ops``, ``F.linear``,
     ``kernels.cpu_gemm.packed_linear`` and ``kernels.quant_linear``'s products
@@ -397,9 +401,10 @@ class StepTimers:
                  "rotary": ("kernels.ops.rotary_embedding",),
                  "silu_mul": ("kernels.ops.silu_and_mul",)}
 
-    def __init__(self, engine):
+    def __init__(self, engine, sync=None):
         import importlib
 
+        self.sync = sync
         self.cur: dict[str, float] = defaultdict(float)
         self.totals = {k: defaultdict(float) for k in ("decode", "prefill")}
         self.counts = {"decode": 0, "prefill": 0}
@@ -408,7 +413,7 @@ class StepTimers:
         sched, runner = engine.scheduler, engine.runner
         self._wrap_method(sched, "schedule", "schedule", classify=True)
         self._wrap_method(runner, "prepare", "prepare")
-        self._wrap_method(runner.model, "forward", "forward", forward=True)
+        self._wrap_method(runner, "_forward", "forward", forward=True)
         self._wrap_method(runner.model, "compute_logits", "logits")
         self._wrap(runner, "sampler", _TimedSampler(runner.sampler, self))
         self._wrap(engine, "step", self._step(engine.step))
@@ -450,6 +455,8 @@ class StepTimers:
             t = time.perf_counter()
             try:
                 out = fn(*a, **kw)
+                if self.sync is not None and not inner:
+                    self.sync()
             finally:
                 self.add(part, time.perf_counter() - t)
                 self.in_forward &= not forward
@@ -474,6 +481,11 @@ class StepTimers:
             self.counts[self.kind] += 1
             return out
         return wrapper
+
+    def decode_ms(self) -> dict[str, float]:
+        """ms per decode-only step, by part."""
+        n = self.counts["decode"]
+        return {p: round(self.totals["decode"][p] / n * 1e3, 3) for p in self.rows()} if n else {}
 
     def rows(self) -> list[str]:
         fwd = [f"fwd.{p}" for p in (*self.FWD_PARTS, "rest")]
@@ -509,6 +521,8 @@ class _TimedSampler:
     def __call__(self, logits, *args, **kwargs):
         t = time.perf_counter()
         out = self._sampler(logits, *args, **kwargs)
+        if self._timers.sync is not None:
+            self._timers.sync()
         self._timers.add("sample", time.perf_counter() - t)
         return out
 

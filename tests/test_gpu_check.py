@@ -34,6 +34,12 @@ def test_gpu_check_dry_run(tmp_path):
     assert [(r["batch"], r["context"]) for r in perf["decode"]] == [(1, 64), (4, 64)]
     assert all(r["ms_per_step"] > 0 and r["hbm_floor_ms"] > 0 for r in perf["decode"])
     assert perf["vs_hf"]["engine_tok_s"] > 0 and perf["vs_hf"]["hf_tok_s"] > 0
+    # where a decode step's time goes, at batch 1 and the largest batch
+    assert list(perf["step_profile"]) == ["batch 1 context 64", "batch 4 context 64"]
+    for profile in perf["step_profile"].values():
+        parts = ("schedule", "prepare", "forward", "logits", "sample", "other")
+        assert all(profile[p] > 0 for p in parts)
+        assert abs(sum(profile[p] for p in parts) - profile["step"]) < 1e-2
     assert [r["batch"] for r in perf["int8_decode"]] == [1, 4]
     assert all(r["speedup_vs_plain"] > 0 for r in perf["int8_decode"])
     assert [r["batch"] for r in perf["fp8_decode"]] == [1, 4]
