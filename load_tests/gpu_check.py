@@ -330,13 +330,42 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _decode_ms(llm: Any, batch: int, context: int, new: int) -> float:
-    """ms per decode step at ``batch`` sequences of ``context`` tokens (quant_bench's method,
-    best of two runs: the first of a shape pays Triton's compiles for it)."""
-    from quant_bench import decode_tok_s
+def _decode_steps(llm: Any, batch: int, context: int, new: int,
+                  sync: Callable[[], None] | None = None) -> dict[str, float]:
+    """ms per decode step, by part, of the steps that decode all ``batch`` sequences of
+    ``context`` tokens. Each sequence generates enough tokens to outlast the prompt chunks
+    (a prompt's first tokens are decoded while later prompts are still chunked in), then
+    ``new`` more: those are the steps timed. A warm-up run of the same shape pays Triton's
+    compiles first; fresh prompt ids each run, so the prefix cache never answers."""
+    import random
 
-    return batch / decode_tok_s(llm, batch, new, seed=batch * 7919 + context, context=context,
-                                repeats=2) * 1e3
+    from offline_throughput import StepTimers
+
+    from engine import SamplingParams
+
+    rng = random.Random(batch * 7919 + context)
+    vocab = min(1000, llm.engine.vocab_size)
+    budget = llm.engine.config.scheduler.max_num_batched_tokens
+    tokens = -(-batch * context // budget) + new + 1
+
+    def run(max_tokens: int) -> None:
+        prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(context)]}
+                   for _ in range(batch)]
+        llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                             ignore_eos=True, detokenize=False), use_tqdm=False)
+
+    run(3)
+    timers = StepTimers(llm.engine, sync=sync, decode_rows=batch)
+    try:
+        run(tokens)
+    finally:
+        timers.restore()
+    return timers.decode_ms()
+
+
+def _decode_ms(llm: Any, batch: int, context: int, new: int) -> float:
+    """ms per decode step of ``batch`` sequences at ``context`` tokens (``_decode_steps``)."""
+    return _decode_steps(llm, batch, context, new)["step"]
 
 
 def performance(c: Check) -> dict[str, Any]:
@@ -344,6 +373,7 @@ def performance(c: Check) -> dict[str, Any]:
     from engine.model_runner import weight_bytes
 
     path = _checkpoint(c)
+    _release(c.device)  # the engine step's last engine
     shapes = ([(1, 64), (4, 64)] if c.dry else
               [(b, 1024) for b in (1, 16, 64, 256)] + [(b, 8192) for b in (1, 16, 64)])
     new = 4 if c.dry else 32
@@ -393,16 +423,12 @@ def performance(c: Check) -> dict[str, Any]:
 
 def _step_profile(llm: Any, batch: int, context: int, new: int, c: Check) -> dict[str, float]:
     """ms per decode step by part (schedule, prepare, forward, logits, sample, other) at one
-    shape: where a step's host time goes (offline_throughput's StepTimers, synced on CUDA)."""
+    shape: where a step's host time goes (``_decode_steps``, synced at each part's end on
+    CUDA)."""
     import torch
-    from offline_throughput import StepTimers
 
-    timers = StepTimers(llm.engine, sync=torch.cuda.synchronize if c.device == "cuda" else None)
-    try:
-        _decode_ms(llm, batch, context, new)
-    finally:
-        timers.restore()
-    profile = timers.decode_ms()
+    profile = _decode_steps(llm, batch, context, new,
+                            torch.cuda.synchronize if c.device == "cuda" else None)
     print(json.dumps({"step_profile": {"batch": batch, "context": context, **profile}}),
           flush=True)
     return profile

@@ -379,7 +379,8 @@ class StepTimers:
     """Wraps the engine's step parts with wall-clock timers. On the CPU the parts need no
     device sync; on CUDA pass ``sync`` (``torch.cuda.synchronize``), called as each top-level
     part ends, so a part's time includes its kernels (the step already waits for its tokens,
-    so the syncs add little).
+    so the syncs add little). ``decode_rows``: count only the decode steps of that many
+    sequences (a batch's own size, not the tail of it left running).
 
     Parts: ``schedule`` (Scheduler.schedule), ``prepare`` (ModelRunner.prepare), ``forward``
     (the model's forward, eager or a CUDA graph's replay), ``logits`` (compute_logits),
@@ -401,10 +402,12 @@ class StepTimers:
                  "rotary": ("kernels.ops.rotary_embedding",),
                  "silu_mul": ("kernels.ops.silu_and_mul",)}
 
-    def __init__(self, engine, sync=None):
+    def __init__(self, engine, sync=None, decode_rows=None):
         import importlib
 
         self.sync = sync
+        self.decode_rows = decode_rows  # count only decode steps of this many rows, if set
+        self.rows_now = 0
         self.cur: dict[str, float] = defaultdict(float)
         self.totals = {k: defaultdict(float) for k in ("decode", "prefill")}
         self.counts = {"decode": 0, "prefill": 0}
@@ -462,6 +465,7 @@ class StepTimers:
                 self.in_forward &= not forward
             if classify:
                 self.kind = "decode" if all(n == 1 for _, n in out.scheduled) else "prefill"
+                self.rows_now = len(out.scheduled)
             return out
         return wrapper
 
@@ -471,6 +475,8 @@ class StepTimers:
             t = time.perf_counter()
             out = step()
             total = time.perf_counter() - t
+            if self.decode_rows not in (None, self.rows_now) and self.kind == "decode":
+                return out  # a decode step of another batch size: not counted
             acc = self.totals[self.kind]
             for part, sec in self.cur.items():
                 acc[part] += sec
