@@ -346,7 +346,8 @@ def _decode_steps(llm: Any, batch: int, context: int, new: int,
     rng = random.Random(batch * 7919 + context)
     vocab = min(1000, llm.engine.vocab_size)
     budget = llm.engine.config.scheduler.max_num_batched_tokens
-    tokens = -(-batch * context // budget) + new + 1
+    # prompt chunks, counting each step's budget less the decodes riding in it
+    tokens = -(-batch * context // max(budget - batch, 1)) + new + 1
 
     def run(max_tokens: int) -> None:
         prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(context)]}
@@ -360,6 +361,8 @@ def _decode_steps(llm: Any, batch: int, context: int, new: int,
         run(tokens)
     finally:
         timers.restore()
+    if not timers.counts["decode"]:
+        raise RuntimeError(f"no decode step of all {batch} sequences at context {context}")
     return timers.decode_ms()
 
 
