@@ -49,8 +49,7 @@ def fp8_bits(x):
     """The fp8 E4M3 byte of float32 x (rounded to nearest even, saturated at +-448, NaN kept as
     NaN), built from x's bits as the C kernels' ``f32_to_fp8`` does. Built by hand rather than
     by Triton's conversion, the bytes are the same everywhere: the interpreter's conversion loses
-    the carry into the exponent (1.97 becomes 1.0), the subnormals and NaN (it gives 256), and
-    sm_90's saturating conversion gave no NaN for a NaN key."""
+    the carry into the exponent (1.97 becomes 1.0), the subnormals and NaN (it gives 256)."""
     u = x.to(tl.uint32, bitcast=True)
     sign = (u >> 24) & 0x80
     a = u & 0x7FFFFFFF
