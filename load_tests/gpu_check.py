@@ -330,10 +330,10 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _decode_steps(llm: Any, batch: int, context: int, new: int,
-                  sync: Callable[[], None] | None = None) -> dict[str, float]:
-    """ms per decode step, by part, of the steps that decode all ``batch`` sequences of
-    ``context`` tokens. Each sequence generates enough tokens to outlast the prompt chunks
+def _decode_steps(llm: Any, batch: int, context: int, new: int, c: Check) -> dict[str, float]:
+    """ms per decode step, by part (offline_throughput's StepTimers, synced at each part's end
+    on CUDA), of the steps that decode all ``batch`` sequences of ``context`` tokens. Each
+    sequence generates enough tokens to outlast the prompt chunks
     (a prompt's first tokens are decoded while later prompts are still chunked in), then
     ``new`` more: those are the steps timed. A warm-up run of the same shape pays Triton's
     compiles first; fresh prompt ids each run, so the prefix cache never answers."""
@@ -356,6 +356,7 @@ def _decode_steps(llm: Any, batch: int, context: int, new: int,
                                              ignore_eos=True, detokenize=False), use_tqdm=False)
 
     run(3)
+    sync = (lambda: _sync(c.device)) if c.device == "cuda" else None
     timers = StepTimers(llm.engine, sync=sync, decode_rows=batch)
     try:
         run(tokens)
@@ -364,11 +365,6 @@ def _decode_steps(llm: Any, batch: int, context: int, new: int,
     if not timers.counts["decode"]:
         raise RuntimeError(f"no decode step of all {batch} sequences at context {context}")
     return timers.decode_ms()
-
-
-def _decode_ms(llm: Any, batch: int, context: int, new: int) -> float:
-    """ms per decode step of ``batch`` sequences at ``context`` tokens (``_decode_steps``)."""
-    return _decode_steps(llm, batch, context, new)["step"]
 
 
 def performance(c: Check) -> dict[str, Any]:
@@ -387,9 +383,13 @@ def performance(c: Check) -> dict[str, Any]:
     kv_per_token = 2 * hf_cfg.num_layers * hf_cfg.num_kv_heads * hf_cfg.head_dim * \
         llm.engine.dtype.itemsize
     weights, gbps = weight_bytes(llm.engine.runner.model), _copy_gbps(c.device)
-    rows = []
+    rows, profiles = [], {}
     for batch, context in shapes:
-        ms = _decode_ms(llm, batch, context, new)
+        parts = _decode_steps(llm, batch, context, new, c)
+        ms = parts["step"]
+        if (batch, context) in (shapes[0], max(shapes)):  # batch 1 and the largest batch
+            profiles[f"batch {batch} context {context}"] = parts
+            print(json.dumps({"step_profile": {"batch": batch, "context": context, **parts}}))
         floor_ms = (weights + batch * context * kv_per_token) / (gbps * 1e9) * 1e3
         rows.append({"batch": batch, "context": context, "ms_per_step": round(ms, 3),
                      "hbm_floor_ms": round(floor_ms, 3), "x_floor": round(ms / floor_ms, 2)})
@@ -398,8 +398,6 @@ def performance(c: Check) -> dict[str, Any]:
             rows[-1].update(graph_ms=round(graph_ms, 3),
                             graph_x_floor=round(graph_ms / floor_ms, 2))
         print(json.dumps(rows[-1]), flush=True)
-    profiles = {f"batch {b} context {n}": _step_profile(llm, b, n, new, c)
-                for b, n in (shapes[0], max(shapes))}  # batch 1 and the largest batch
     data: dict[str, Any] = {"copy_gbps": round(gbps, 1), "decode": rows,
                             "step_profile": profiles, "vs_hf": _vs_hf(path, llm, c)}
     plain = {"dtype": str(llm.engine.dtype).split(".")[1],
@@ -424,19 +422,6 @@ def performance(c: Check) -> dict[str, Any]:
     return _failed(data, failures)
 
 
-def _step_profile(llm: Any, batch: int, context: int, new: int, c: Check) -> dict[str, float]:
-    """ms per decode step by part (schedule, prepare, forward, logits, sample, other) at one
-    shape: where a step's host time goes (``_decode_steps``, synced at each part's end on
-    CUDA)."""
-    import torch
-
-    profile = _decode_steps(llm, batch, context, new,
-                            torch.cuda.synchronize if c.device == "cuda" else None)
-    print(json.dumps({"step_profile": {"batch": batch, "context": context, **profile}}),
-          flush=True)
-    return profile
-
-
 def _variant_rows(path: Path, plain: dict[str, Any], rows: list[dict[str, Any]],
                   which: list[int], new: int, c: Check, name: str, settings: dict[str, Any],
                   plain_blocks: int | None = None) -> list[dict[str, Any]] | str:
@@ -455,7 +440,7 @@ def _variant_rows(path: Path, plain: dict[str, Any], rows: list[dict[str, Any]],
         return f"not run: {e}"
     out = []
     for base in (rows[i] for i in which):
-        ms = _decode_ms(llm, base["batch"], base["context"], new)
+        ms = _decode_steps(llm, base["batch"], base["context"], new, c)["step"]
         out.append({"batch": base["batch"], "context": base["context"],
                     "ms_per_step": round(ms, 3),
                     "speedup_vs_plain": round(base["ms_per_step"] / ms, 2)})
