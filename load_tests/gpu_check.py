@@ -333,9 +333,9 @@ def _sync(device: str) -> None:
 def _decode_steps(llm: Any, batch: int, context: int, new: int, c: Check) -> dict[str, float]:
     """ms per decode step, by part (offline_throughput's StepTimers, synced at each part's end
     on CUDA), of the steps that decode all ``batch`` sequences of ``context`` tokens. Each
-    sequence generates enough tokens to outlast the prompt chunks
-    (a prompt's first tokens are decoded while later prompts are still chunked in), then
-    ``new`` more: those are the steps timed. A warm-up run of the same shape pays Triton's
+    sequence generates enough tokens to outlast the prompt chunks (a prompt's first tokens are
+    decoded while later prompts are still chunked in), then ``new`` more: those are the steps
+    timed. A warm-up run of the same shape pays Triton's
     compiles first; fresh prompt ids each run, so the prefix cache never answers."""
     import random
 
@@ -384,10 +384,11 @@ def performance(c: Check) -> dict[str, Any]:
         llm.engine.dtype.itemsize
     weights, gbps = weight_bytes(llm.engine.runner.model), _copy_gbps(c.device)
     rows, profiles = [], {}
+    profiled = (shapes[0], max(shapes))  # batch 1 and the largest batch
     for batch, context in shapes:
         parts = _decode_steps(llm, batch, context, new, c)
         ms = parts["step"]
-        if (batch, context) in (shapes[0], max(shapes)):  # batch 1 and the largest batch
+        if (batch, context) in profiled:
             profiles[f"batch {batch} context {context}"] = parts
             print(json.dumps({"step_profile": {"batch": batch, "context": context, **parts}}))
         floor_ms = (weights + batch * context * kv_per_token) / (gbps * 1e9) * 1e3
