@@ -81,7 +81,7 @@ static inline vf v_softcap(vf x, float cap) {
 #endif
 
 typedef struct { /* one thread's buffers, sized for ROWS rows x Hq heads */
-    float *q, *acc, *m, *l, *s, *kbuf; /* kbuf: CHUNK x D, a chunk's keys or values */
+    float *q, *acc, *m, *l, *s, *kbuf; /* kbuf: 2 x CHUNK x D, a chunk's keys and values */
 } Scratch;
 
 static void prefetch_block(const char *p, size_t bytes) {
@@ -601,8 +601,15 @@ static void attend_tile_qvec(const Item *it, Scratch *w, void *out, const void *
                 if (key0 + n <= first) continue; /* before every lane's window */
                 const char *kb = k_cache + ((size_t)blk * block_stride + (size_t)c0 * token_stride + (size_t)kvh * D) * kes;
                 const char *vb = v_cache + ((size_t)blk * block_stride + (size_t)c0 * token_stride + (size_t)kvh * D) * kes;
-                float *kbuf = w->kbuf; /* [n][D] */
-                load_tokens(kbuf, kb, n, token_stride * kes, D, kv_dtype);
+                /* the chunk's key and value rows as floats, rs apart: read in place when the
+                 * cache is float32, else converted once for all the tile's lane groups */
+                const float *kr = (const float *)kb, *vr = (const float *)vb;
+                size_t rs = (size_t)token_stride;
+                if (kv_dtype != 0) {
+                    load_tokens(w->kbuf, kb, n, token_stride * kes, D, kv_dtype);
+                    load_tokens(w->kbuf + (size_t)CHUNK * D, vb, n, token_stride * kes, D, kv_dtype);
+                    kr = w->kbuf, vr = w->kbuf + (size_t)CHUNK * D, rs = (size_t)D;
+                }
                 for (int g = 0; g < ngroups; g++) {
                     const float *qg = qt + VW * g;
                     const vf pg = v_load(pos + VW * g), pg_lo = v_load(pos_lo + VW * g);
@@ -611,11 +618,11 @@ static void attend_tile_qvec(const Item *it, Scratch *w, void *out, const void *
                     for (; t + 8 <= n; t += 8) { /* eight keys: eight independent chains */
                         vf sv[8];
                         for (int i = 0; i < 8; i++) sv[i] = v_zero();
-                        const float *k0 = kbuf + (size_t)t * D;
+                        const float *k0 = kr + (size_t)t * rs;
                         for (int d = 0; d < D; d++) {
                             const vf q = v_load(qg + (size_t)d * nqp);
                             for (int i = 0; i < 8; i++)
-                                sv[i] = v_fmadd(q, v_set1(k0[(size_t)i * D + d]), sv[i]);
+                                sv[i] = v_fmadd(q, v_set1(k0[(size_t)i * rs + d]), sv[i]);
                         }
                         for (int i = 0; i < 8; i++) {
                             const vf key = v_set1((float)(key0 + t + i));
@@ -629,7 +636,7 @@ static void attend_tile_qvec(const Item *it, Scratch *w, void *out, const void *
                     for (; t < n; t++) {
                         vf s0 = v_zero();
                         for (int d = 0; d < D; d++)
-                            s0 = v_fmadd(v_load(qg + (size_t)d * nqp), v_set1(kbuf[(size_t)t * D + d]), s0);
+                            s0 = v_fmadd(v_load(qg + (size_t)d * nqp), v_set1(kr[(size_t)t * rs + d]), s0);
                         const vf key = v_set1((float)(key0 + t));
                         if (softcap > 0.0f) s0 = v_softcap(s0, softcap);
                         s0 = v_select(v_le(key, pg), s0, v_set1(-INFINITY));
@@ -650,30 +657,19 @@ static void attend_tile_qvec(const Item *it, Scratch *w, void *out, const void *
                     }
                     v_store(l + VW * g, v_fmadd(v_load(l + VW * g), corr, sum));
                     v_store(m + VW * g, v_select(seen, mx, mold));
-                    /* acc_t[d] = acc_t[d] * corr + sum_t p[t] v[t][d] */
-                    load_tokens(kbuf, vb, n, token_stride * kes, D, kv_dtype);
-                    for (int d = 0; d < D; d += 4) { /* D % 8 == 0: four independent chains */
+                    /* acc_t[d] = acc_t[d] * corr + sum_t p[t] v[t][d], eight independent
+                     * chains (D % 8 == 0) so the FMAs' latency is hidden */
+                    for (int d = 0; d < D; d += 8) {
                         float *ad = acc + (size_t)d * nqp + VW * g;
-                        vf a0 = v_mul(v_load(ad), corr);
-                        vf a1 = v_mul(v_load(ad + nqp), corr);
-                        vf a2 = v_mul(v_load(ad + 2 * nqp), corr);
-                        vf a3 = v_mul(v_load(ad + 3 * nqp), corr);
+                        vf a[8];
+                        for (int i = 0; i < 8; i++) a[i] = v_mul(v_load(ad + (size_t)i * nqp), corr);
                         for (int t2 = 0; t2 < n; t2++) {
                             const vf p = v_load(S + (size_t)t2 * nqp + VW * g);
-                            const float *v = kbuf + (size_t)t2 * D + d;
-                            a0 = v_fmadd(p, v_set1(v[0]), a0);
-                            a1 = v_fmadd(p, v_set1(v[1]), a1);
-                            a2 = v_fmadd(p, v_set1(v[2]), a2);
-                            a3 = v_fmadd(p, v_set1(v[3]), a3);
+                            const float *v = vr + (size_t)t2 * rs + d;
+                            for (int i = 0; i < 8; i++) a[i] = v_fmadd(p, v_set1(v[i]), a[i]);
                         }
-                        v_store(ad, a0);
-                        v_store(ad + nqp, a1);
-                        v_store(ad + 2 * nqp, a2);
-                        v_store(ad + 3 * nqp, a3);
+                        for (int i = 0; i < 8; i++) v_store(ad + (size_t)i * nqp, a[i]);
                     }
-                    /* the key rows are needed again by the next lane group */
-                    if (g + 1 < ngroups)
-                        for (int t2 = 0; t2 < n; t2++) load_row(kbuf + (size_t)t2 * D, kb + (size_t)t2 * token_stride * kes, D, kv_dtype);
                 }
             }
         }
@@ -860,7 +856,7 @@ int paged_attention_cpu(
         w.m = malloc(sizeof(float) * states);
         w.l = malloc(sizeof(float) * states);
         w.s = malloc(sizeof(float) * states * CHUNK);
-        w.kbuf = malloc(sizeof(float) * CHUNK * head_size);
+        w.kbuf = malloc(sizeof(float) * 2 * CHUNK * head_size);
         if (!w.q || !w.acc || !w.m || !w.l || !w.s || !w.kbuf) {
 #pragma omp atomic write
             failed = 1;
