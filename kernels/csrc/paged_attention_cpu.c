@@ -88,6 +88,19 @@ static void prefetch_block(const char *p, size_t bytes) {
     for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 1);
 }
 
+/* n cache rows (row bytes apart) as float32 rows: a float32 cache in place, another type converted
+ * into buf (D floats apart); *stride gets the rows' distance in bytes. */
+static inline const char *float_rows(float *buf, const char *rows, int n, size_t row, int D,
+                                     int kv_dtype, size_t *stride) {
+    if (kv_dtype == 0) {
+        *stride = row;
+        return rows;
+    }
+    load_tokens(buf, rows, n, row, D, kv_dtype);
+    *stride = sizeof(float) * D;
+    return (const char *)buf;
+}
+
 /* The signature every general attention path shares (attend_item, attend_tile_qvec,
  * attend_row_avx2): one item of the batch, written into out. */
 typedef void (*attend_fn)(const Item *it, Scratch *w, void *out, const void *query,
@@ -237,19 +250,6 @@ static void fp8_rows_to_bf16(uint16_t *dst, const char *src, int n, size_t src_s
 static inline int permuted_d(int i) {
     const int j = i / 16, k = i % 16;
     return 32 * (j / 2) + 8 * (k / 4) + 4 * (j % 2) + k % 4;
-}
-
-/* n cache rows (row bytes apart) as float32 rows: a float32 cache in place, another type converted
- * into buf (D floats apart); *stride gets the rows' distance in bytes. */
-static inline const char *float_rows(float *buf, const char *rows, int n, size_t row, int D,
-                                     int kv_dtype, size_t *stride) {
-    if (kv_dtype == 0) {
-        *stride = row;
-        return rows;
-    }
-    load_tokens(buf, rows, n, row, D, kv_dtype);
-    *stride = sizeof(float) * D;
-    return (const char *)buf;
 }
 
 /* A 16 x 16 matrix of 32-bit elements, one row per vector, transposed in place. */
@@ -601,15 +601,14 @@ static void attend_tile_qvec(const Item *it, Scratch *w, void *out, const void *
                 if (key0 + n <= first) continue; /* before every lane's window */
                 const char *kb = k_cache + ((size_t)blk * block_stride + (size_t)c0 * token_stride + (size_t)kvh * D) * kes;
                 const char *vb = v_cache + ((size_t)blk * block_stride + (size_t)c0 * token_stride + (size_t)kvh * D) * kes;
-                /* the chunk's key and value rows as floats, rs apart: read in place when the
-                 * cache is float32, else converted once for all the tile's lane groups */
-                const float *kr = (const float *)kb, *vr = (const float *)vb;
-                size_t rs = (size_t)token_stride;
-                if (kv_dtype != 0) {
-                    load_tokens(w->kbuf, kb, n, token_stride * kes, D, kv_dtype);
-                    load_tokens(w->kbuf + (size_t)CHUNK * D, vb, n, token_stride * kes, D, kv_dtype);
-                    kr = w->kbuf, vr = w->kbuf + (size_t)CHUNK * D, rs = (size_t)D;
-                }
+                /* the chunk's key and value rows as floats (the same distance apart), converted
+                 * once for all the tile's lane groups */
+                size_t rb;
+                const size_t row = (size_t)token_stride * kes;
+                const float *kr = (const float *)float_rows(w->kbuf, kb, n, row, D, kv_dtype, &rb);
+                const float *vr = (const float *)float_rows(w->kbuf + (size_t)CHUNK * D, vb, n, row,
+                                                            D, kv_dtype, &rb);
+                const size_t rs = rb / sizeof(float);
                 for (int g = 0; g < ngroups; g++) {
                     const float *qg = qt + VW * g;
                     const vf pg = v_load(pos + VW * g), pg_lo = v_load(pos_lo + VW * g);
@@ -747,18 +746,12 @@ static void attend_row_avx2(const Item *it, Scratch *w, void *out, const void *q
             }
             const size_t off = ((size_t)blk * block_stride + (size_t)(p0 % block_size) * token_stride
                                 + (size_t)kvh * D) * kes;
+            size_t ks, vs;
+            const char *kr = float_rows(kf, k_cache + off, n, token_stride * kes, D, kv_dtype, &ks);
+            const char *vr = float_rows(vf_, v_cache + off, n, token_stride * kes, D, kv_dtype, &vs);
             const float *krow[8], *vrow[8];
-            for (int i = 0; i < n; i++) {
-                const char *kp = k_cache + off + (size_t)i * token_stride * kes;
-                const char *vp = v_cache + off + (size_t)i * token_stride * kes;
-                if (kv_dtype == 0) {
-                    krow[i] = (const float *)kp, vrow[i] = (const float *)vp;
-                } else {
-                    load_row(kf + (size_t)i * D, kp, D, kv_dtype);
-                    load_row(vf_ + (size_t)i * D, vp, D, kv_dtype);
-                    krow[i] = kf + (size_t)i * D, vrow[i] = vf_ + (size_t)i * D;
-                }
-            }
+            for (int i = 0; i < n; i++)
+                krow[i] = (const float *)(kr + i * ks), vrow[i] = (const float *)(vr + i * vs);
             /* lanes of keys past the row, or before its window, score -inf */
             const __m256 kpos = _mm256_add_ps(_mm256_loadu_ps(lane_pos), _mm256_set1_ps((float)p0));
             const __m256 live = _mm256_and_ps(
