@@ -4,6 +4,8 @@ No ``from __future__ import annotations`` here: Serve reads ``build_app``'s para
 to validate ``serve run serve_app:build_app key=value ...`` arguments into ``AppConfig``.
 """
 
+import logging
+import math
 from typing import Any, cast
 
 from ray import serve
@@ -11,19 +13,25 @@ from ray.serve import Application, Deployment
 from ray.serve.config import RequestRouterConfig
 
 from serve_app.config import AppConfig
-from serve_app.ingress import prepare_cluster_env
+from serve_app.ingress import local_cluster_cpus, prepare_cluster_env
 from serve_app.request_router import WorkerRequestRouter
 from serve_app.router import Router
 from serve_app.worker import Worker
+
+logger = logging.getLogger("ray.serve")
 
 
 def build_app(args: AppConfig) -> Application:
     """The application for ``args`` (an ``AppConfig`` or a dict of its fields).
 
     Before Ray runs in this process (``serve run`` builds the app, then starts the cluster),
-    this also sets the environment the cluster will inherit (``prepare_cluster_env``).
+    this also sets the environment the cluster will inherit (``prepare_cluster_env``) and fits
+    the replicas' CPU reservations to that cluster's CPUs (``fit_reservations``).
     """
     cfg = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
+    cpus = local_cluster_cpus()
+    if cpus is not None:
+        cfg = fit_reservations(cfg, cpus)
     prepare_cluster_env()
     worker = serve.deployment(name="Worker")(Worker).options(**worker_options(cfg))
     # @serve.deployment made Router a Deployment; mypy gives a decorated class its own type
@@ -31,6 +39,41 @@ def build_app(args: AppConfig) -> Application:
         num_replicas=cfg.num_routers, max_ongoing_requests=cfg.router_max_ongoing_requests,
         ray_actor_options=actor_options(cfg, cfg.router_num_cpus))
     return router.bind(worker.bind(cfg), cfg)
+
+
+def fit_reservations(cfg: AppConfig, cpus: float) -> AppConfig:
+    """``cfg`` with its default CPU reservations lowered so that its replicas fit ``cpus``.
+
+    Ray places a replica only where its ``num_cpus`` are free, and a local cluster has as many
+    CPUs as the machine has cores: one Worker (1 CPU) and the Router (0.5) never all fit a
+    1-core machine, nor two Workers a 2-core one, and ``serve run`` then waits for them
+    forever. The reservations are Ray's bookkeeping only (a Worker's threads are its share of
+    the cores, ``AppConfig.worker_threads``), so where the defaults do not fit, the Routers
+    take at most a quarter of the CPUs and the Workers' ranks share the rest evenly. Values the
+    user set are kept, with a warning that the cluster cannot place them all.
+    """
+    workers = cfg.num_workers if cfg.autoscaling is None else max(1, cfg.autoscaling.min_replicas)
+    ranks = workers * cfg.engine.parallel.tensor_parallel_size
+    need = ranks * cfg.worker_num_cpus + cfg.num_routers * cfg.router_num_cpus
+    if need <= cpus:
+        return cfg
+    given = sorted({"worker_num_cpus", "router_num_cpus"} & cfg.model_fields_set)
+    router = min(cfg.router_num_cpus, cpus / 4 / cfg.num_routers)
+    worker = math.floor((cpus - cfg.num_routers * router) / ranks * 1e4) / 1e4  # Ray's unit
+    if given or worker <= 0:
+        logger.warning("%d Worker rank(s) x worker_num_cpus=%g and %d Router(s) x "
+                       "router_num_cpus=%g reserve %g CPUs, but the local Ray cluster has %g: "
+                       "Ray will not place them all and the app will wait for them",
+                       ranks, cfg.worker_num_cpus, cfg.num_routers, cfg.router_num_cpus, need,
+                       cpus)
+        return cfg
+    fitted = {"worker_num_cpus": worker, "router_num_cpus": router}
+    logger.info("The local Ray cluster has %g CPUs: %s, so that %d Worker rank(s) and %d "
+                "Router(s) fit", cpus, ", ".join(f"{k} {getattr(cfg, k):g} -> {v:g}"
+                                                 for k, v in fitted.items()
+                                                 if v != getattr(cfg, k)),
+                ranks, cfg.num_routers)
+    return cfg.model_copy(update=fitted)
 
 
 # Ray Serve reads these in each replica process when it starts (``ray.serve._private.constants``);

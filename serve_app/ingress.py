@@ -66,6 +66,29 @@ def prepare_cluster_env(environ: MutableMapping[str, str] | None = None) -> None
     use_bound_haproxy(environ)
 
 
+def local_cluster_cpus() -> float | None:
+    """The CPUs of the local Ray cluster that running this app will start, or None.
+
+    ``serve run`` (and ``serve.run`` in a script) start a cluster on this machine when Ray is
+    not running in this process and no cluster is found (``RAY_ADDRESS``, or one started here
+    with ``ray start``); Ray gives it the machine's cores (its own count, which reads cgroup
+    limits). None for any other cluster: its nodes, or its autoscaler, decide what fits.
+    """
+    import ray
+    from ray._private import services, utils
+
+    if ray.is_initialized():
+        return None
+    try:
+        # annotated str (Ray 2.60); None is its documented case: serve run's default address
+        if services.canonicalize_bootstrap_address(None) is not None:  # type: ignore[arg-type]
+            return None
+        return float(utils.get_num_cpus())
+    except Exception:  # Ray's private helpers moved: assume nothing about the cluster
+        logger.debug("could not tell whether a local cluster will start", exc_info=True)
+        return None
+
+
 def stay_on_loopback(environ: MutableMapping[str, str]) -> None:
     """Keep a local cluster's addresses (GCS, raylet, dashboard, workers) on 127.0.0.1.
 

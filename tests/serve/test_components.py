@@ -14,10 +14,11 @@ import yaml
 from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 from ray.serve.schema import ServeDeploySchema
 
-from serve_app.app import FAST_PATH_ENV, build_app, worker_options
+import serve_app.app
+from serve_app.app import FAST_PATH_ENV, build_app, fit_reservations, worker_options
 from serve_app.config import AppConfig
 from serve_app.errors import APIError
-from serve_app.ingress import serve_at_normal_priority, use_fast_ingress
+from serve_app.ingress import local_cluster_cpus, serve_at_normal_priority, use_fast_ingress
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,6 +76,54 @@ def test_worker_resources():
     ({"num_threads": 5}, 2, 5), ({"worker_num_cpus": 4, "num_workers": 2}, 4, 4)])
 def test_a_cpu_worker_takes_its_share_of_the_cores(args, cores, threads):
     assert AppConfig(accelerator="cpu", **args).worker_threads(cores=cores) == threads
+
+
+@pytest.mark.parametrize("args, cpus, worker, router", [
+    ({}, 2, 1.0, 0.5),  # the README's serve run on 2 cores fits as it is
+    ({}, 1, 0.75, 0.25),  # on 1 core the Router was never placed: serve run waited forever
+    ({"num_workers": 2}, 2, 0.75, 0.5),
+    ({"num_workers": 3, "num_routers": 2}, 3, 0.75, 0.375),
+    ({"tensor_parallel_size": 2}, 2, 0.75, 0.5),  # each rank reserves worker_num_cpus
+    ({"autoscaling": {"min_replicas": 0, "max_replicas": 4}}, 1, 0.75, 0.25),
+    ({"num_workers": 3}, 2, 0.5, 0.5)])
+def test_default_cpu_reservations_fit_the_local_cluster(args, cpus, worker, router):
+    cfg = AppConfig(accelerator="cpu", **args)
+    fitted = fit_reservations(cfg, cpus)
+    assert (fitted.worker_num_cpus, fitted.router_num_cpus) == (worker, router)
+    assert fitted.worker_threads(cores=cpus) == cfg.worker_threads(cores=cpus)
+
+
+def test_cpu_reservations_the_user_set_are_kept_with_a_warning(monkeypatch):
+    warnings: list[str] = []
+    monkeypatch.setattr(serve_app.app.logger, "warning",
+                        lambda msg, *args: warnings.append(msg % args))
+    cfg = AppConfig(accelerator="cpu", num_workers=2, worker_num_cpus=1)
+    assert fit_reservations(cfg, 2) is cfg
+    assert warnings == ["2 Worker rank(s) x worker_num_cpus=1 and 1 Router(s) x "
+                        "router_num_cpus=0.5 reserve 2.5 CPUs, but the local Ray cluster has 2: "
+                        "Ray will not place them all and the app will wait for them"]
+
+
+def test_the_local_cluster_is_the_one_serve_run_would_start(monkeypatch):
+    from ray._private import services, utils
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    if services.find_gcs_addresses():
+        pytest.skip("a Ray cluster runs on this machine: serve run would join it")
+    assert local_cluster_cpus() == float(utils.get_num_cpus())
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")  # serve run would join that cluster
+    assert local_cluster_cpus() is None
+
+
+def test_build_app_fits_the_replicas_to_the_cluster_it_starts(monkeypatch):
+    monkeypatch.setattr(serve_app.app, "local_cluster_cpus", lambda: 1.0)
+    router = build_app({"accelerator": "cpu"})._bound_deployment
+    worker = router.init_args[0]._bound_deployment
+    assert (router.ray_actor_options["num_cpus"], worker.ray_actor_options["num_cpus"]) == (
+        0.25, 0.75)
+    monkeypatch.setattr(serve_app.app, "local_cluster_cpus", lambda: None)  # a running cluster
+    router = build_app({"accelerator": "cpu", "num_workers": 4})._bound_deployment
+    assert router.init_args[0]._bound_deployment.ray_actor_options["num_cpus"] == 1.0
 
 
 @pytest.mark.parametrize("given, expected", [
