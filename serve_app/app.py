@@ -48,32 +48,40 @@ def fit_reservations(cfg: AppConfig, cpus: float) -> AppConfig:
     CPUs as the machine has cores: one Worker (1 CPU) and the Router (0.5) never all fit a
     1-core machine, nor two Workers a 2-core one, and ``serve run`` then waits for them
     forever. The reservations are Ray's bookkeeping only (a Worker's threads are its share of
-    the cores, ``AppConfig.worker_threads``), so where the defaults do not fit, the Routers
-    take at most a quarter of the CPUs and the Workers' ranks share the rest evenly. Values the
-    user set are kept, with a warning that the cluster cannot place them all.
+    the cores, ``AppConfig.worker_threads``), so where they do not fit, the defaults give way:
+    the Routers take at most a quarter of the CPUs (or what a reservation the user set for the
+    Workers leaves) and the Workers' ranks share the rest evenly. Values the user set are kept;
+    where they alone cannot fit, a warning says so.
     """
     workers = cfg.num_workers if cfg.autoscaling is None else max(1, cfg.autoscaling.min_replicas)
-    ranks = workers * cfg.engine.parallel.tensor_parallel_size
-    need = ranks * cfg.worker_num_cpus + cfg.num_routers * cfg.router_num_cpus
+    ranks, routers = workers * cfg.engine.parallel.tensor_parallel_size, cfg.num_routers
+    need = ranks * cfg.worker_num_cpus + routers * cfg.router_num_cpus
     if need <= cpus:
         return cfg
-    given = sorted({"worker_num_cpus", "router_num_cpus"} & cfg.model_fields_set)
-    router = min(cfg.router_num_cpus, cpus / 4 / cfg.num_routers)
-    worker = math.floor((cpus - cfg.num_routers * router) / ranks * 1e4) / 1e4  # Ray's unit
-    if given or worker <= 0:
+    given = cfg.model_fields_set
+    router, worker = cfg.router_num_cpus, cfg.worker_num_cpus
+    if "router_num_cpus" not in given:
+        room = cpus - ranks * worker if "worker_num_cpus" in given else cpus / 4
+        router = _ray_units(max(0.0, min(router, room / routers)))
+    if "worker_num_cpus" not in given:
+        worker = _ray_units((cpus - routers * router) / ranks)
+    if worker <= 0 or ranks * worker + routers * router > cpus:
         logger.warning("%d Worker rank(s) x worker_num_cpus=%g and %d Router(s) x "
                        "router_num_cpus=%g reserve %g CPUs, but the local Ray cluster has %g: "
                        "Ray will not place them all and the app will wait for them",
-                       ranks, cfg.worker_num_cpus, cfg.num_routers, cfg.router_num_cpus, need,
-                       cpus)
+                       ranks, cfg.worker_num_cpus, routers, cfg.router_num_cpus, need, cpus)
         return cfg
     fitted = {"worker_num_cpus": worker, "router_num_cpus": router}
     logger.info("The local Ray cluster has %g CPUs: %s, so that %d Worker rank(s) and %d "
                 "Router(s) fit", cpus, ", ".join(f"{k} {getattr(cfg, k):g} -> {v:g}"
                                                  for k, v in fitted.items()
-                                                 if v != getattr(cfg, k)),
-                ranks, cfg.num_routers)
+                                                 if v != getattr(cfg, k)), ranks, routers)
     return cfg.model_copy(update=fitted)
+
+
+def _ray_units(cpus: float) -> float:
+    """``cpus`` rounded down to Ray's resolution of a resource (1/10,000)."""
+    return math.floor(round(cpus * 1e4, 6)) / 1e4  # 2 - 1.8 is 0.19999...
 
 
 # Ray Serve reads these in each replica process when it starts (``ray.serve._private.constants``);

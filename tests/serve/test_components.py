@@ -85,7 +85,11 @@ def test_a_cpu_worker_takes_its_share_of_the_cores(args, cores, threads):
     ({"num_workers": 3, "num_routers": 2}, 3, 0.75, 0.375),
     ({"tensor_parallel_size": 2}, 2, 0.75, 0.5),  # each rank reserves worker_num_cpus
     ({"autoscaling": {"min_replicas": 0, "max_replicas": 4}}, 1, 0.75, 0.25),
-    ({"num_workers": 3}, 2, 0.5, 0.5)])
+    ({"num_workers": 3}, 2, 0.5, 0.5),
+    # a reservation the user set stays; the default beside it takes what is left
+    ({"num_workers": 2, "router_num_cpus": 0.1}, 2, 0.95, 0.1),
+    ({"worker_num_cpus": 1.8}, 2, 1.8, 0.2),
+    ({"num_workers": 2, "worker_num_cpus": 1}, 2, 1.0, 0.0)])
 def test_default_cpu_reservations_fit_the_local_cluster(args, cpus, worker, router):
     cfg = AppConfig(accelerator="cpu", **args)
     fitted = fit_reservations(cfg, cpus)
@@ -93,14 +97,14 @@ def test_default_cpu_reservations_fit_the_local_cluster(args, cpus, worker, rout
     assert fitted.worker_threads(cores=cpus) == cfg.worker_threads(cores=cpus)
 
 
-def test_cpu_reservations_the_user_set_are_kept_with_a_warning(monkeypatch):
+def test_cpu_reservations_the_user_set_that_cannot_fit_are_kept_with_a_warning(monkeypatch):
     warnings: list[str] = []
     monkeypatch.setattr(serve_app.app.logger, "warning",
                         lambda msg, *args: warnings.append(msg % args))
-    cfg = AppConfig(accelerator="cpu", num_workers=2, worker_num_cpus=1)
+    cfg = AppConfig(accelerator="cpu", num_workers=3, worker_num_cpus=1)
     assert fit_reservations(cfg, 2) is cfg
-    assert warnings == ["2 Worker rank(s) x worker_num_cpus=1 and 1 Router(s) x "
-                        "router_num_cpus=0.5 reserve 2.5 CPUs, but the local Ray cluster has 2: "
+    assert warnings == ["3 Worker rank(s) x worker_num_cpus=1 and 1 Router(s) x "
+                        "router_num_cpus=0.5 reserve 3.5 CPUs, but the local Ray cluster has 2: "
                         "Ray will not place them all and the app will wait for them"]
 
 
