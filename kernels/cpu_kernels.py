@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_attention_cpu.c", CSRC / "elementwise_cpu.c", CSRC / "int8_linear_cpu.c",
-           CSRC / "dense_linear_cpu.c"]
+           CSRC / "dense_linear_cpu.c", CSRC / "attention_amx_cpu.c"]
 HEADERS = [CSRC / "cpu_common.h"]
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=fast", "-fno-math-errno",
          "-fno-trapping-math"]  # and -march for the CPU's class (kernels/cpu_isa.py)

@@ -288,4 +288,61 @@ static inline float round_to(float x, int dtype) {
     return dtype == 1 ? bf16_to_f32(f32_to_bf16(x)) : x;
 }
 
+/* The first key position a query at `pos` sees (0 without a window). */
+static inline int64_t window_start(int64_t pos, int window) {
+    return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+}
+
+/* the rows of one cache block on their way into the caches */
+static inline void prefetch_block(const char *p, size_t bytes) {
+    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 1);
+}
+
+#ifdef VF
+/* cap * tanh(x / cap) in each lane (tanhf: the scores of soft-capped models only). */
+static inline vf v_softcap(vf x, float cap) {
+    float t[VW];
+    v_store(t, x);
+    for (int i = 0; i < VW; i++) t[i] = cap * tanhf(t[i] / cap);
+    return v_load(t);
+}
+#endif
+
+#ifdef __AVX512F__
+/* Where accumulator i of the bfloat16 value path belongs: its vectors pair keys t, t+1 with
+ * 16-bit unpacks, which interleave within 128-bit lanes. Vector j = 2 c2 + e (e = 0: unpacklo,
+ * 1: unpackhi) of the 32 elements of half c2, lane k: d = 32 c2 + 8 (k / 4) + 4 e + k % 4. */
+static inline int permuted_d(int i) {
+    const int j = i / 16, k = i % 16;
+    return 32 * (j / 2) + 8 * (k / 4) + 4 * (j % 2) + k % 4;
+}
+
+/* A 16 x 16 matrix of 32-bit elements, one row per vector, transposed in place. */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(u[i], u[4 + i], 0x88);
+        t[4 + i] = _mm512_shuffle_i32x4(u[i], u[4 + i], 0xdd);
+        t[8 + i] = _mm512_shuffle_i32x4(u[8 + i], u[12 + i], 0x88);
+        t[12 + i] = _mm512_shuffle_i32x4(u[8 + i], u[12 + i], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0x88);
+        r[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xdd);
+        r[4 + i] = _mm512_shuffle_i32x4(t[4 + i], t[12 + i], 0x88);
+        r[12 + i] = _mm512_shuffle_i32x4(t[4 + i], t[12 + i], 0xdd);
+    }
+}
+#endif
+
 #endif

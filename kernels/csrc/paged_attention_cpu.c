@@ -29,6 +29,13 @@
  */
 #include "cpu_common.h"
 
+/* attention_amx_cpu.c: bfloat16 items on AMX tiles where the CPU and the OS allow them */
+int attend_amx_supported(int dtype, int kv_dtype, int head_size, int block_size, int group);
+void attend_amx(void *out, const void *query, const char *k_cache, const char *v_cache,
+                const int32_t *table, int64_t row0, int nrows, int kvh0, int kvh1, int64_t pos0,
+                int num_q_heads, int num_kv_heads, int head_size, int block_size, int max_blocks,
+                int64_t q_stride_t, int64_t out_stride_t, float scale, int window, float softcap);
+
 #define ROWS 8    /* query rows per tile (prefill chunks) */
 #define CHUNK 32  /* keys per softmax update */
 #define PF_BLOCKS 2 /* decode rows keep the blocks up to PF_BLOCKS - 1 ahead prefetched */
@@ -65,28 +72,12 @@ typedef struct {
     int32_t seq, row0, nrows, kvh0, kvh1;
 } Item;
 
-/* The first key position a query at `pos` sees (0 without a window). */
-static inline int64_t window_start(int64_t pos, int window) {
-    return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
-}
 
-#ifdef VF
-/* cap * tanh(x / cap) in each lane (tanhf: the scores of soft-capped models only). */
-static inline vf v_softcap(vf x, float cap) {
-    float t[VW];
-    v_store(t, x);
-    for (int i = 0; i < VW; i++) t[i] = cap * tanhf(t[i] / cap);
-    return v_load(t);
-}
-#endif
 
 typedef struct { /* one thread's buffers, sized for ROWS rows x Hq heads */
     float *q, *acc, *m, *l, *s, *kbuf; /* kbuf: 2 x CHUNK x D, a chunk's keys and values */
 } Scratch;
 
-static void prefetch_block(const char *p, size_t bytes) {
-    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 1);
-}
 
 /* n cache rows (row bytes apart) as float32 rows: a float32 cache in place, another type converted
  * into buf (D floats apart); *stride gets the rows' distance in bytes. */
@@ -243,41 +234,6 @@ static void fp8_rows_to_bf16(uint16_t *dst, const char *src, int n, size_t src_s
         }
 }
 #endif
-
-/* Where accumulator i of the bfloat16 value path belongs: its vectors pair keys t, t+1 with
- * 16-bit unpacks, which interleave within 128-bit lanes. Vector j = 2 c2 + e (e = 0: unpacklo,
- * 1: unpackhi) of the 32 elements of half c2, lane k: d = 32 c2 + 8 (k / 4) + 4 e + k % 4. */
-static inline int permuted_d(int i) {
-    const int j = i / 16, k = i % 16;
-    return 32 * (j / 2) + 8 * (k / 4) + 4 * (j % 2) + k % 4;
-}
-
-/* A 16 x 16 matrix of 32-bit elements, one row per vector, transposed in place. */
-static inline void transpose16(__m512i r[16]) {
-    __m512i t[16], u[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int i = 0; i < 4; i++) {
-        t[i] = _mm512_shuffle_i32x4(u[i], u[4 + i], 0x88);
-        t[4 + i] = _mm512_shuffle_i32x4(u[i], u[4 + i], 0xdd);
-        t[8 + i] = _mm512_shuffle_i32x4(u[8 + i], u[12 + i], 0x88);
-        t[12 + i] = _mm512_shuffle_i32x4(u[8 + i], u[12 + i], 0xdd);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0x88);
-        r[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xdd);
-        r[4 + i] = _mm512_shuffle_i32x4(t[4 + i], t[12 + i], 0x88);
-        r[12 + i] = _mm512_shuffle_i32x4(t[4 + i], t[12 + i], 0xdd);
-    }
-}
 
 /* n <= 16 key rows of `vecs` 64-byte vectors each (row bytes apart), transposed by 32-bit
  * element: kt[16 c + e] lane t = element e of vector c of row t, zero for t >= n. For float32
@@ -840,6 +796,8 @@ int paged_attention_cpu(
             }
     }
     int failed = 0;
+    const int amx = attend_amx_supported(dtype, kv_dtype, head_size, block_size,
+                                         num_q_heads / num_kv_heads);
 #pragma omp parallel num_threads(num_threads)
     {
         Scratch w;
@@ -861,6 +819,15 @@ int paged_attention_cpu(
             const int32_t b = it->seq;
             const int64_t q_len = query_start_loc[b + 1] - query_start_loc[b];
             const int64_t pos0 = seq_lens[b] - q_len + (it->row0 - query_start_loc[b]);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+            if (amx) {
+                attend_amx(out, query, (const char *)k_cache, (const char *)v_cache,
+                           block_tables + (int64_t)b * max_blocks, it->row0, it->nrows, it->kvh0,
+                           it->kvh1, pos0, num_q_heads, num_kv_heads, head_size, block_size,
+                           max_blocks, q_stride_t, out_stride_t, scale, window, softcap);
+                continue;
+            }
+#endif
 #ifdef __AVX512F__
             if (it->nrows == 1 && (head_size == 64 || head_size == 128)) {
                 (head_size == 64 ? attend_row_d64 : attend_row_d128)(

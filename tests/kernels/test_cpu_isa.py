@@ -123,8 +123,9 @@ def test_c_kernels_build_for_every_class_and_match_the_references(isa, monkeypat
         for n, k, rows in [(151, 7, 13), (130, 4864, 29), (100, 33, 301)]:
             kernel_tests.test_dense_float32_linear_is_as_accurate_as_f_linear(n, k, rows)
     kernel_tests.test_paged_attention_decode_only_and_padding_rows()
-    kernel_tests.test_paged_attention_ignores_cache_outside_the_sequence()
-    kernel_tests.test_paged_attention_reads_nothing_before_the_window()
+    for dtype, block_size in [(torch.float32, 8), (torch.bfloat16, 16)]:  # bfloat16: AMX's tiles
+        kernel_tests.test_paged_attention_ignores_cache_outside_the_sequence(dtype)
+        kernel_tests.test_paged_attention_reads_nothing_before_the_window(dtype, block_size)
     kernel_tests.test_store_kv_matches_reference_and_skips_minus_one()
     for dtype in (torch.float32, torch.bfloat16):
         for m, k, n in [(1, 96, 72), (3, 200, 300), (17, 64, 130), (9, 4864, 37), (2, 3, 5)]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_gemm, ops
+from kernels import cpu_gemm, cpu_isa, ops
 from kernels import cpu_kernels as cpu
 from kernels.activation import silu_and_mul_ref
 from kernels.kv_cache import store_kv_cache_ref
@@ -50,7 +50,7 @@ def _attention(batch, scale, dtype):
 @pytest.mark.parametrize("heads,head_size", [((14, 2), 64), ((8, 2), 128), ((4, 4), 64),
                                              ((6, 2), 32), ((4, 1), 80), ((16, 1), 64),
                                              ((12, 1), 128)])
-@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("block_size", [8, 16, 32, 128])
 def test_paged_attention_matches_reference(dtype, heads, head_size, block_size):
     # prefill from scratch, prefill chunks after a cached prefix, decode rows (short and long)
     seq_lens, query_lens = [37, 5, 70, 200, 1, 130], [37, 1, 9, 1, 1, 24]
@@ -73,10 +73,10 @@ def test_paged_attention_decode_only_and_padding_rows():
     assert torch.equal(out[:3], got) and not out[3:].any()
 
 
-def test_paged_attention_ignores_cache_outside_the_sequence():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_ignores_cache_outside_the_sequence(dtype):
     """Keys past a sequence's length (stale data, even NaN) never reach its output."""
-    batch = build_paged_batch([20, 9], [1, 9], 4, 2, head_size=64, block_size=16,
-                              dtype=torch.float32)
+    batch = build_paged_batch([20, 9], [1, 9], 4, 2, head_size=64, block_size=16, dtype=dtype)
     k, v = batch.k_cache.contiguous(), batch.v_cache.contiguous()
     args = (batch.query, k, v, batch.block_tables, batch.seq_lens, batch.query_start_loc)
     before = cpu.paged_attention(*args, 0.125)
@@ -108,18 +108,34 @@ def test_paged_attention_sliding_window_and_softcap(dtype, heads, head_size, win
     assert not torch.allclose(expected.float(), plain.float(), **TOL[dtype])
 
 
-def test_paged_attention_reads_nothing_before_the_window():
+@pytest.mark.parametrize("dtype,block_size", [(torch.float32, 8), (torch.bfloat16, 16)])
+def test_paged_attention_reads_nothing_before_the_window(dtype, block_size):
     """Blocks wholly before every query's window may be freed: NaN there changes nothing."""
-    batch = build_paged_batch([70, 53], [1, 5], 8, 2, head_size=64, block_size=8,
-                              dtype=torch.float32)
+    batch = build_paged_batch([70, 53], [1, 5], 8, 2, head_size=64, block_size=block_size,
+                              dtype=dtype)
     k, v = batch.k_cache.contiguous(), batch.v_cache.contiguous()
     args = (batch.query, k, v, batch.block_tables, batch.seq_lens, batch.query_start_loc)
     before = cpu.paged_attention(*args, 0.125, 12)
     for b, first in enumerate([70 - 12, 53 - 5 - 11]):  # each sequence's first visible key
-        for j in range(first // 8):
+        for j in range(first // block_size):
             k[int(batch.block_tables[b, j])] = float("nan")
             v[int(batch.block_tables[b, j])] = float("nan")
     assert torch.equal(cpu.paged_attention(*args, 0.125, 12), before)
+
+
+@pytest.mark.skipif(cpu_isa.isa_class() != "amx", reason="AMX tiles: Sapphire Rapids and later")
+def test_amx_attention_takes_bfloat16_caches_in_whole_16_key_chunks():
+    """On AMX machines the tile path takes bfloat16 queries over bfloat16 caches (head sizes a
+    multiple of 32 up to 256, blocks a multiple of 16 keys, GQA groups up to 16); the tests
+    above then run it against the reference. Everything else keeps the AVX-512 paths."""
+    def takes(dtype: int, kv_dtype: int, head_size: int, block_size: int, group: int) -> bool:
+        return cpu.call("attend_amx_supported", dtype, kv_dtype, head_size, block_size, group) == 1
+    assert takes(1, 1, 64, 16, 7) and takes(1, 1, 128, 128, 16) and takes(1, 1, 32, 32, 1)
+    assert not takes(0, 0, 64, 16, 7)  # float32
+    assert not takes(1, 2, 64, 16, 7)  # fp8 cache
+    assert not takes(1, 1, 80, 16, 4) and not takes(1, 1, 288, 16, 4)  # head sizes
+    assert not takes(1, 1, 64, 8, 7)  # blocks of 8 keys
+    assert not takes(1, 1, 64, 16, 17)  # more query vectors than a tile's 16 rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

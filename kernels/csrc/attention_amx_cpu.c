@@ -1,0 +1,220 @@
+/* Paged attention on AMX tiles: bfloat16 queries and caches on CPUs with AMX-BF16 (Intel
+ * Sapphire Rapids and later). The contract is paged_attention_cpu.c's; that file's dispatch
+ * hands an item here when attend_amx_supported() says so.
+ *
+ * A tile is the query vectors of up to 16 / group consecutive rows of one kv head (row r, head
+ * h of the group is lane n = r * group + h; at most 16 lanes). For each chunk of 16 keys of one
+ * cache block it computes the transposed scores S^T = K Q^T on the tiles (keys straight from the
+ * cache rows as the A operand, the queries' bfloat16 pairs transposed once per tile as B), so a
+ * query vector's 16 scores sit in one lane of 16 vectors: the running max and sum are lane-wise,
+ * with no horizontal reductions. The probabilities are transposed back (one 16 x 16 float
+ * transpose), rounded to bfloat16 and multiplied by the chunk's values, paired key by key as the
+ * AMX B operand wants them (16-bit unpacks: the output columns come out in permuted_d's order and
+ * are put back when the tile is written). Scores, softmax state and output accumulate in float32;
+ * the softmax max moves only when a score passes it by more than 8, as in the AVX-512 path.
+ *
+ * Linux lends the tile registers to a process only on request (arch_prctl); without it, or
+ * without AMX in the build, attend_amx_supported() says no and the other paths run.
+ */
+#include "cpu_common.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define AMX_MAX_D 256
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+typedef struct { /* one tile's buffers, 64-byte aligned */
+    uint32_t qt[AMX_MAX_D / 32][16 * 16]; /* per 32 dims: 16 pairs x 16 query vectors */
+    float s[16 * 16];                     /* S^T: 16 keys x 16 query vectors */
+    uint16_t p[16 * 16];                  /* P: 16 query vectors x 16 keys, bfloat16 */
+    uint32_t vb[AMX_MAX_D / 16][8 * 16];  /* per 16 output columns: 8 key pairs x 16 columns */
+    float o[16 * AMX_MAX_D];              /* output accumulators, columns permuted */
+    float l[16], out[AMX_MAX_D];
+    int32_t qpos[16], first[16];
+} AmxScratch;
+
+/* Tiles: 0 S^T [16 x 16 f32]; 1 keys [16 x 32 bf16]; 2 Q^T pairs [16 x 16 pairs];
+ * 3 P [16 x 16 bf16]; 4 value pairs [8 x 16 pairs]; 5 output [16 x 16 f32]. */
+static void amx_configure(void) {
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 6; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    c.colsb[3] = 32;
+    c.rows[4] = 8;
+    _tile_loadconfig(&c);
+}
+
+int attend_amx_supported(int dtype, int kv_dtype, int head_size, int block_size, int group) {
+    static int permitted = 0; /* 0: not asked yet, 1: granted, -1: refused */
+    if (dtype != 1 || kv_dtype != 1 || head_size % 32 != 0 || head_size > AMX_MAX_D
+        || block_size % 16 != 0 || group > 16)
+        return 0;
+    if (permitted == 0) /* asked once, before any thread uses the tiles */
+        permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    return permitted == 1;
+}
+
+/* The lanes' scores of one chunk (keys key0.., n of them live in the cache) with the scale,
+ * soft cap and masks applied (a key a lane must not see: -inf); returns their lane-wise max. */
+static __m512 chunk_scores(AmxScratch *w, __m512 sv[16], int64_t key0, int n, float scale,
+                           float softcap) {
+    const __m512i qpos = _mm512_load_si512(w->qpos), first = _mm512_load_si512(w->first);
+    __m512 cmax = _mm512_set1_ps(-INFINITY);
+    for (int k = 0; k < 16; k++) {
+        __m512 s = _mm512_mul_ps(_mm512_load_ps(w->s + 16 * k), _mm512_set1_ps(scale));
+        if (softcap > 0.0f) s = v_softcap(s, softcap);
+        const __m512i kpos = _mm512_set1_epi32((int32_t)(key0 + k));
+        const __mmask16 live = k < n ? _mm512_cmple_epi32_mask(kpos, qpos)
+                                           & _mm512_cmple_epi32_mask(first, kpos) : 0;
+        sv[k] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, s);
+        cmax = _mm512_max_ps(cmax, sv[k]);
+    }
+    return cmax;
+}
+
+/* The online softmax over one chunk's scores: the max moved where needed (accumulators and sums
+ * rescaled), then P (bfloat16, query vectors by keys) written to w->p for tile 3. */
+static void chunk_softmax(AmxScratch *w, __m512 sv[16], __m512 cmax, __m512 *m, int D) {
+    const __mmask16 moved = _mm512_cmp_ps_mask(cmax, _mm512_add_ps(*m, _mm512_set1_ps(8.0f)), _CMP_GT_OQ);
+    __m512 l = _mm512_load_ps(w->l);
+    if (moved) {
+        const __m512 mnew = _mm512_mask_mov_ps(*m, moved, cmax);
+        const __m512 corr = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), moved, exp16(_mm512_sub_ps(*m, mnew)));
+        l = _mm512_mul_ps(l, corr);
+        float c[16];
+        _mm512_storeu_ps(c, corr);
+        for (int n = 0; n < 16; n++)
+            if (moved >> n & 1)
+                for (int d = 0; d < D; d += 16) {
+                    float *o = w->o + (size_t)n * D + d;
+                    _mm512_store_ps(o, _mm512_mul_ps(_mm512_load_ps(o), _mm512_set1_ps(c[n])));
+                }
+        *m = mnew;
+    }
+    const __m512 base = _mm512_mask_mov_ps(*m, _mm512_cmp_ps_mask(*m, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
+                                           _mm512_setzero_ps()); /* lanes that saw no key yet */
+    __m512i p[16];
+    for (int k = 0; k < 16; k++) {
+        const __m512 e = exp16(_mm512_sub_ps(sv[k], base));
+        l = _mm512_add_ps(l, e);
+        p[k] = _mm512_castps_si512(e);
+    }
+    _mm512_store_ps(w->l, l);
+    transpose16(p);
+    for (int n = 0; n < 16; n++)
+        _mm256_store_si256((__m256i *)(w->p + 16 * n), (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(p[n])));
+}
+
+/* The chunk's values (n rows, row bytes apart; rows past n read as zeros) paired key by key into
+ * w->vb: vb[2 g + e] row t2 = unpack{lo,hi}(v[2 t2], v[2 t2 + 1]) over dims 32 g .. 32 g + 31. */
+static void pair_values(AmxScratch *w, const char *vb, int n, size_t row, int D) {
+    static const char zero_row[2 * AMX_MAX_D] __attribute__((aligned(64)));
+    for (int t2 = 0; t2 < 8; t2++) {
+        const char *r0 = 2 * t2 < n ? vb + (size_t)(2 * t2) * row : zero_row;
+        const char *r1 = 2 * t2 + 1 < n ? vb + (size_t)(2 * t2 + 1) * row : zero_row;
+        for (int g = 0; g < D / 32; g++) {
+            const __m512i x = _mm512_loadu_si512(r0 + 64 * g), y = _mm512_loadu_si512(r1 + 64 * g);
+            _mm512_store_si512(w->vb[2 * g] + 16 * t2, _mm512_unpacklo_epi16(x, y));
+            _mm512_store_si512(w->vb[2 * g + 1] + 16 * t2, _mm512_unpackhi_epi16(x, y));
+        }
+    }
+}
+
+/* One tile: rows r0 .. r0 + nr - 1 of the query (positions pos0 ..), kv head kvh. */
+static void amx_tile(AmxScratch *w, void *out, const void *query, const char *k_cache,
+                     const char *v_cache, const int32_t *table, int64_t r0, int nr, int kvh,
+                     int64_t pos0, int num_q_heads, int num_kv_heads, int D, int block_size,
+                     int max_blocks, int64_t q_stride_t, int64_t out_stride_t, float scale,
+                     int window, float softcap) {
+    const int group = num_q_heads / num_kv_heads, lanes = nr * group;
+    const size_t row = (size_t)num_kv_heads * D * 2, block_bytes = (size_t)block_size * row;
+    memset(w->qt, 0, sizeof(uint32_t) * 256 * (size_t)(D / 32));
+    memset(w->o, 0, sizeof(float) * 16 * (size_t)D);
+    memset(w->l, 0, sizeof w->l);
+    for (int n = 0; n < 16; n++) {
+        const int64_t pos = pos0 + n / group;
+        w->qpos[n] = n < lanes ? (int32_t)pos : -1;
+        w->first[n] = n < lanes ? (int32_t)window_start(pos, window) : INT32_MAX;
+        if (n >= lanes) continue;
+        const uint32_t *q = (const uint32_t *)((const char *)query
+            + ((size_t)(r0 + n / group) * q_stride_t + (size_t)(kvh * group + n % group) * D) * 2);
+        for (int pp = 0; pp < D / 2; pp++) w->qt[pp / 16][(pp % 16) * 16 + n] = q[pp];
+    }
+    const int64_t last = pos0 + nr - 1, lo = window_start(pos0, window);
+    __m512 m = _mm512_set1_ps(-INFINITY), sv[16];
+    for (int64_t j = lo / block_size; j <= last / block_size && j < max_blocks; j++) {
+        if (table[j] < 0) continue;
+        const char *kblock = k_cache + (size_t)table[j] * block_bytes + (size_t)kvh * D * 2;
+        const char *vblock = v_cache + (size_t)table[j] * block_bytes + (size_t)kvh * D * 2;
+        const int64_t ahead = j + 1; /* (2 to 4 blocks ahead measured no better) */
+        if (ahead <= last / block_size && ahead < max_blocks && table[ahead] >= 0) {
+            prefetch_block(k_cache + (size_t)table[ahead] * block_bytes, block_bytes);
+            prefetch_block(v_cache + (size_t)table[ahead] * block_bytes, block_bytes);
+        }
+        for (int c0 = 0; c0 < block_size; c0 += 16) {
+            const int64_t key0 = j * block_size + c0;
+            if (key0 > last) break;
+            if (key0 + 15 < lo) continue;
+            const int n = last + 1 - key0 < 16 ? (int)(last + 1 - key0) : 16;
+            _tile_zero(0);
+            for (int c = 0; c < D / 32; c++) {
+                _tile_loadd(1, kblock + (size_t)c0 * row + 64 * c, row);
+                _tile_loadd(2, w->qt[c], 64);
+                _tile_dpbf16ps(0, 1, 2);
+            }
+            _tile_stored(0, w->s, 64);
+            chunk_softmax(w, sv, chunk_scores(w, sv, key0, n, scale, softcap), &m, D);
+            pair_values(w, vblock + (size_t)c0 * row, n, row, D);
+            _tile_loadd(3, w->p, 32);
+            for (int t = 0; t < D / 16; t++) {
+                _tile_loadd(4, w->vb[t], 64);
+                _tile_loadd(5, w->o + 16 * t, D * 4);
+                _tile_dpbf16ps(5, 3, 4);
+                _tile_stored(5, w->o + 16 * t, D * 4);
+            }
+        }
+    }
+    for (int n = 0; n < lanes; n++) {
+        const float inv = w->l[n] > 0.0f ? 1.0f / w->l[n] : 0.0f;
+        for (int i = 0; i < D; i++) w->out[permuted_d(i)] = w->o[(size_t)n * D + i] * inv;
+        store_row((char *)out + ((size_t)(r0 + n / group) * out_stride_t
+                                 + (size_t)(kvh * group + n % group) * D) * 2, w->out, D, 1);
+    }
+}
+
+/* Rows row0 .. row0 + nrows - 1 (positions pos0 ..) and kv heads kvh0 .. kvh1 - 1 of one
+ * sequence, in tiles of 16 / group rows. Call only where attend_amx_supported() said yes. */
+void attend_amx(void *out, const void *query, const char *k_cache, const char *v_cache,
+                const int32_t *table, int64_t row0, int nrows, int kvh0, int kvh1, int64_t pos0,
+                int num_q_heads, int num_kv_heads, int head_size, int block_size, int max_blocks,
+                int64_t q_stride_t, int64_t out_stride_t, float scale, int window, float softcap) {
+    AmxScratch w __attribute__((aligned(64))); /* 34 KB of this thread's stack */
+    const int per_tile = 16 / (num_q_heads / num_kv_heads);
+    amx_configure();
+    for (int kvh = kvh0; kvh < kvh1; kvh++)
+        for (int r = 0; r < nrows; r += per_tile)
+            amx_tile(&w, out, query, k_cache, v_cache, table, row0 + r,
+                     nrows - r < per_tile ? nrows - r : per_tile, kvh, pos0 + r, num_q_heads,
+                     num_kv_heads, head_size, block_size, max_blocks, q_stride_t, out_stride_t,
+                     scale, window, softcap);
+    _tile_release();
+}
+#else
+int attend_amx_supported(int dtype, int kv_dtype, int head_size, int block_size, int group) {
+    (void)dtype; (void)kv_dtype; (void)head_size; (void)block_size; (void)group;
+    return 0;
+}
+#endif
