@@ -17,7 +17,8 @@
  * group gets its 16 scores from D/2 bfloat16 dot products (or D float32 FMAs) with no
  * horizontal sum (attend_row_dc); other tiles run lane-wise across
  * their query vectors (attend_tile_qvec), which needs no horizontal sums; attend_item is the
- * plain-C path for head sizes that are not a multiple of 16 and CPUs without AVX-512. The next
+ * plain-C path for head sizes that are not a multiple of 16 and CPUs without AVX-512. On AMX
+ * machines, bfloat16 items over a bfloat16 cache go to attention_amx_cpu.c instead. The next
  * block is prefetched while one is processed. Scores and the running softmax are float32 (online softmax, rescaled once per
  * chunk). Items are spread over OpenMP threads; the library is loaded after torch and uses the
  * libgomp torch has loaded, so both share one thread pool.
@@ -72,12 +73,9 @@ typedef struct {
     int32_t seq, row0, nrows, kvh0, kvh1;
 } Item;
 
-
-
 typedef struct { /* one thread's buffers, sized for ROWS rows x Hq heads */
     float *q, *acc, *m, *l, *s, *kbuf; /* kbuf: 2 x CHUNK x D, a chunk's keys and values */
 } Scratch;
-
 
 /* n cache rows (row bytes apart) as float32 rows: a float32 cache in place, another type converted
  * into buf (D floats apart); *stride gets the rows' distance in bytes. */
