@@ -63,6 +63,7 @@ def prepare_cluster_env(environ: MutableMapping[str, str] | None = None) -> None
     use_fast_ingress(environ)
     serve_at_normal_priority(environ)
     pace_control_loop(environ)
+    pace_log_monitor(environ)
     use_bound_haproxy(environ)
 
 
@@ -160,6 +161,14 @@ def pace_control_loop(environ: MutableMapping[str, str]) -> None:
     default). A value already set wins.
     """
     environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
+
+
+def pace_log_monitor(environ: MutableMapping[str, str]) -> None:
+    """Have Ray's log monitor (it copies workers' log lines to the driver) glob the log folder
+    every 0.5 s, not on each of its 10 passes a second (below 1000 files): half its CPU, which
+    the engine would lose (docs/ARCHITECTURE.md, "Serve's control loop"). A new worker's first
+    lines reach the driver up to 0.5 s later. A value already set wins."""
+    environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
 
 
 def use_bound_haproxy(environ: MutableMapping[str, str], directory: Path | None = None) -> None:

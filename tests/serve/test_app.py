@@ -149,6 +149,11 @@ def test_http_arrives_through_haproxy(url):
     assert len(controllers) == 1
     environ = Path(f"/proc/{controllers[0]}/environ").read_bytes().split(b"\0")
     assert b"RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5" in environ
+    # and the log monitor globs for new files every 0.5 s (``pace_log_monitor``)
+    monitors = [pid for pid, cmd in _processes() if "ray/_private/log_monitor.py" in cmd]
+    assert len(monitors) == 1
+    environ = Path(f"/proc/{monitors[0]}/environ").read_bytes().split(b"\0")
+    assert b"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD=0" in environ
 
 
 def _processes() -> list[tuple[int, str]]:

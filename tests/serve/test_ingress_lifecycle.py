@@ -105,7 +105,8 @@ print(json.dumps([{k: v for k, v in os.environ.items() if before.get(k) != v},
                      "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
                      "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
                      "RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_worker_niceness": "0",
-                     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", **threads}
+                     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+                     "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0", **threads}
     assert node_ip == "127.0.0.1"  # Ray read RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER at `import ray`
 
 
@@ -117,17 +118,19 @@ def test_a_shell_can_take_the_same_env_but_the_mode_switches():
     assert exported.keys() == {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_worker_niceness",
                                "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S",
                                "RAY_SERVE_PROXY_USE_GRPC", "RAY_SERVE_HAPROXY_NBTHREAD",
-                               "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"}
+                               "RAY_SERVE_CONTROL_LOOP_INTERVAL_S",
+                               "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD"}
 
 
 def test_the_users_choices_win_and_a_running_ray_is_left_alone(monkeypatch):
     env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "RAY_SERVE_ENABLE_HA_PROXY": "0",
            "RAY_worker_niceness": "5", "RAY_SERVE_HAPROXY_NBTHREAD": "3",
-           "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.2"}
+           "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.2", "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "7"}
     prepare_cluster_env(env)
     assert env == {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "RAY_SERVE_ENABLE_HA_PROXY": "0",
                    "RAY_worker_niceness": "5", "RAY_SERVE_HAPROXY_NBTHREAD": "3",
                    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.2",
+                   "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "7",
                    "RAY_SERVE_PROXY_USE_GRPC": "1"}  # no launcher without HAProxy
     import ray
 
