@@ -62,8 +62,7 @@ def prepare_cluster_env(environ: MutableMapping[str, str] | None = None) -> None
     stay_on_loopback(environ)
     use_fast_ingress(environ)
     serve_at_normal_priority(environ)
-    pace_control_loop(environ)
-    pace_log_monitor(environ)
+    pace_background_work(environ)
     use_bound_haproxy(environ)
 
 
@@ -149,26 +148,29 @@ def serve_at_normal_priority(environ: MutableMapping[str, str]) -> None:
     environ.setdefault("RAY_worker_niceness", "0")
 
 
-def pace_control_loop(environ: MutableMapping[str, str]) -> None:
-    """Run Serve's control loop every 0.5 s rather than Ray's 0.1 s (a cluster this process starts).
+PACED = {
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+    "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
+}
 
-    Each pass asks the GCS for every node's resources and walks every deployment's replicas.
-    On a small machine that CPU is taken from the engine: in a served run of the 0.5B model on
-    2 cores (64 requests, 42 s), the controller used 1.7-1.9 s and the GCS 1.1-1.2 s at 10
-    passes a second, 0.7-0.9 s and 0.6-0.8 s at 2 (docs/ARCHITECTURE.md, "Serve's control
-    loop"). Serve then acts on a replica's change of state and runs the autoscaling policy
-    within 0.5 s instead of 0.1 s; the policy's delays are in seconds (30 s and more by
-    default). A value already set wins.
+
+def pace_background_work(environ: MutableMapping[str, str]) -> None:
+    """Slow down two loops of Ray's that take CPU from the engine on a small machine (a cluster
+    this process starts; a value already set wins):
+
+    - Serve's control loop, every 0.5 s rather than 0.1 s. Each pass asks the GCS for every
+      node's resources and walks every deployment's replicas: in a served run of the 0.5B model
+      on 2 cores (64 requests, 42 s) the controller used 1.7-1.9 s and the GCS 1.1-1.2 s at 10
+      passes a second, 0.7-0.9 s and 0.6-0.8 s at 2. Serve then acts on a replica's change of
+      state and runs the autoscaling policy within 0.5 s; the policy's delays are in seconds.
+    - The log monitor (it copies workers' log lines to the driver) globs the log folder every
+      0.5 s, not on each of its 10 passes a second (below 1000 files): half its CPU. A new
+      worker's first lines reach the driver up to 0.5 s later.
+
+    docs/ARCHITECTURE.md, "Serve's control loop", has the measurements.
     """
-    environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
-
-
-def pace_log_monitor(environ: MutableMapping[str, str]) -> None:
-    """Have Ray's log monitor (it copies workers' log lines to the driver) glob the log folder
-    every 0.5 s, not on each of its 10 passes a second (below 1000 files): half its CPU, which
-    the engine would lose (docs/ARCHITECTURE.md, "Serve's control loop"). A new worker's first
-    lines reach the driver up to 0.5 s later. A value already set wins."""
-    environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
+    for key, value in PACED.items():
+        environ.setdefault(key, value)
 
 
 def use_bound_haproxy(environ: MutableMapping[str, str], directory: Path | None = None) -> None:

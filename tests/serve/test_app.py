@@ -144,16 +144,14 @@ def test_http_arrives_through_haproxy(url):
     for _, cmd in ours:
         if "haproxy" in cmd:
             assert f"nbthread {os.environ['RAY_SERVE_HAPROXY_NBTHREAD']}\n" in _haproxy_config(cmd)
-    # and Serve's controller loops every 0.5 s (``pace_control_loop``)
-    controllers = [pid for pid, cmd in _processes() if cmd.startswith("ray::ServeController")]
-    assert len(controllers) == 1
-    environ = Path(f"/proc/{controllers[0]}/environ").read_bytes().split(b"\0")
-    assert b"RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5" in environ
-    # and the log monitor globs for new files every 0.5 s (``pace_log_monitor``)
-    monitors = [pid for pid, cmd in _processes() if "ray/_private/log_monitor.py" in cmd]
-    assert len(monitors) == 1
-    environ = Path(f"/proc/{monitors[0]}/environ").read_bytes().split(b"\0")
-    assert b"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD=0" in environ
+    # and Serve's controller loops every 0.5 s, the log monitor globs every 0.5 s
+    # (``pace_background_work``)
+    for process, setting in (("ray::ServeController", b"RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5"),
+                             ("ray/_private/log_monitor.py",
+                              b"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD=0")):
+        pids = [pid for pid, cmd in _processes() if process in cmd]
+        assert len(pids) == 1, process
+        assert setting in Path(f"/proc/{pids[0]}/environ").read_bytes().split(b"\0")
 
 
 def _processes() -> list[tuple[int, str]]:
