@@ -19,11 +19,6 @@
 #include "cpu_common.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 #define AMX_MAX_D 256
 
 typedef struct {
@@ -58,13 +53,10 @@ static void amx_configure(void) {
 }
 
 int attend_amx_supported(int dtype, int kv_dtype, int head_size, int block_size, int group) {
-    static int permitted = 0; /* 0: not asked yet, 1: granted, -1: refused */
     if (dtype != 1 || kv_dtype != 1 || head_size % 32 != 0 || head_size > AMX_MAX_D
         || block_size % 16 != 0 || group > 16)
         return 0;
-    if (permitted == 0) /* asked once, before any thread uses the tiles */
-        permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-    return permitted == 1;
+    return amx_permitted();
 }
 
 /* The lanes' scores of one chunk (keys key0.., n of them live in the cache) with the scale,

@@ -65,6 +65,21 @@ static inline uint8_t f32_to_fp8(float f) {
     return sign | (uint8_t)(((u >> 20) - (120u << 3)) & 0x7fu);
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Whether this process may use the AMX tile registers: Linux lends them only on request
+ * (arch_prctl), asked once per file that uses them, before any of its threads does. */
+static inline int amx_permitted(void) {
+    static int permitted = 0; /* 0: not asked yet, 1: granted, -1: refused */
+    if (permitted == 0)
+        permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                            18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
+    return permitted == 1;
+}
+#endif
+
 #ifdef __AVX512F__
 /* exp(x) for 16 lanes: 2^(x log2 e) = 2^k 2^f with f in [-0.5, 0.5], 2^f by a
  * degree-6 polynomial (relative error about 2e-7), scaled by scalef; -inf lanes give 0. */

@@ -287,15 +287,18 @@ def test_warm_up_runs_each_weight_shape_once_per_bucket():
 
 
 _DENSE = pytest.mark.skipif(not cpu_gemm.dense_kernel_used(torch.empty(2, 2, dtype=torch.bfloat16)),
-                            reason="the C dense kernel serves the avx512_bf16 class only")
+                            reason="bfloat16 goes to the C dense kernel where bf16 is native")
 
 
 @_DENSE
-@pytest.mark.parametrize("n,k", [(64, 896), (100, 33), (151, 7), (1152, 896), (130, 4864)])
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 29, 64, 301])
+@pytest.mark.parametrize("n,k", [(64, 896), (100, 33), (151, 7), (1152, 896), (130, 4864),
+                                 (70, 64), (100, 64)])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 16, 17, 29, 33, 64, 301])
 def test_dense_bfloat16_linear_matches_float64(n, k, rows):
-    # channels past a panel of 64, odd inputs, row tiles of 6 and their remainders; sums in
-    # float32 in another order than oneDNN's: within one bfloat16 rounding of the exact product
+    # channels past a panel of 64, odd inputs, row tiles of 6 and their remainders; on AMX
+    # (inputs a multiple of 32) tiles of 16 rows in pairs, and panels whose second half of 32
+    # channels is partly (100) or wholly (70) padding; sums in float32 in another order than
+    # oneDNN's: within one bfloat16 rounding of the exact product
     torch.manual_seed(n * rows + k)
     weight, bias = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
     base = torch.randn(rows, k + 3).bfloat16()
