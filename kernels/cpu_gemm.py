@@ -53,11 +53,14 @@ def packing_supported(weight: torch.Tensor) -> bool:
 
 
 class DensePacked(NamedTuple):
-    """A weight [n, k] in ``dense_linear_cpu.c``'s layout (``data``, flat)."""
+    """A weight [n, k] in ``dense_linear_cpu.c``'s layout (``data``, flat). ``gated``: a gate
+    and an up weight [n, k] each, interleaved by ``pack_gated``; the product is then
+    silu(x @ gate^T) * (x @ up^T), [M, n]."""
 
     data: torch.Tensor
     n: int
     k: int
+    gated: bool = False
 
 
 Packed = torch.Tensor | DensePacked  # a oneDNN tensor, or the C kernel's layout
@@ -96,6 +99,32 @@ def pack(weight: torch.Tensor) -> Packed:
     cpu_kernels.call("dense_pack_cpu", data.data_ptr(), w.data_ptr(), n, k,
                      cpu_kernels.DTYPES[w.dtype], torch.get_num_threads())
     return DensePacked(data, n, k)
+
+
+def pack_gated(weight: torch.Tensor) -> DensePacked | None:
+    """A gate-up weight [2n, k] (gate rows, then up rows) -> the C kernel's fused form, whose
+    product is SiLU-and-multiply of the two (``silu(gate) * up``, [M, n]) in one pass; None where
+    the kernel has no fused product for it (AMX tiles, bfloat16, k a multiple of 32)."""
+    two_n, k = weight.shape
+    if (two_n % 2 or not packing_supported(weight) or not dense_kernel_used(weight)
+            or not cpu_kernels.call("dense_gated_supported_cpu", cpu_kernels.DTYPES[weight.dtype], k)):
+        return None
+    n, blocks = two_n // 2, -(-two_n // 64)
+    parts = weight.detach().new_zeros(2, blocks * 32, k)  # gate, up; padded to blocks of 32
+    parts[0, :n], parts[1, :n] = weight[:n], weight[n:]
+    interleaved = parts.view(2, blocks, 32, k).transpose(0, 1).reshape(blocks * 64, k)
+    dense = pack(interleaved)
+    assert isinstance(dense, DensePacked)
+    return DensePacked(dense.data, n, k, gated=True)
+
+
+def take_gated(param: torch.Tensor) -> DensePacked | None:
+    """``pack_gated`` of a parameter, whose plain copy is then released; None (kept) where
+    there is no fused product for it."""
+    packed = pack_gated(param)
+    if packed is not None:
+        param.data = param.data.new_empty(0)
+    return packed
 
 
 def take_packed(param: torch.Tensor, keep_plain: bool = False) -> Packed | None:
@@ -146,6 +175,14 @@ def _dense_linear(x: torch.Tensor, w: DensePacked, bias: torch.Tensor | None) ->
     if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
         bias = bias.to(x.dtype).contiguous()
     out = torch.empty((x.shape[0], w.n), dtype=x.dtype)
+    if w.gated:
+        if bias is not None:
+            raise ValueError("a gated product takes no bias")
+        if x.shape[0]:
+            cpu_kernels.call("dense_linear_gated_cpu", out.data_ptr(), x.data_ptr(),
+                             w.data.data_ptr(), x.shape[0], w.n, w.k, x.stride(0), out.stride(0),
+                             cpu_kernels.DTYPES[x.dtype], torch.get_num_threads())
+        return out
     if x.shape[0]:
         cpu_kernels.call("dense_linear_cpu", out.data_ptr(), x.data_ptr(), w.data.data_ptr(),
                          None if bias is None else bias.data_ptr(), x.shape[0], w.n, w.k,

@@ -16,7 +16,7 @@ from torch import nn
 from engine.distributed import all_reduce, divide, tp_rank, tp_size
 from engine.layers import weights
 from engine.loader import Loaded, ShardId, TensorSlice, as_tensor, set_weight_loader, shard
-from kernels import quant_linear
+from kernels import cpu_gemm, quant_linear
 from kernels.cpu_gemm import Packed
 from kernels.fp8_linear import quantize_fp8
 from kernels.quant_linear import Int8Packed
@@ -168,6 +168,21 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias)
+        # set by an MLP that applies SiLU-and-multiply to the two parts: packing may then fuse it
+        # into the product (``activated``)
+        self.gated_silu = False
+
+    @property
+    def activated(self) -> bool:
+        """Whether the output is already silu(gate) * up (the C kernel's fused product)."""
+        return isinstance(self.packed, cpu_gemm.DensePacked) and self.packed.gated
+
+    def pack_weights(self) -> None:
+        if (self.gated_silu and self.bias is None and self.weight_scale is None
+                and self.packed is None and len(self.output_sizes) == 2
+                and self.output_sizes[0] == self.output_sizes[1]):
+            self.packed = cpu_gemm.take_gated(self.weight)
+        super().pack_weights()
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: ShardId = None) -> None:
         if shard_id is None:  # fused: each part's rows in turn

@@ -60,11 +60,13 @@ class LlamaMLP(nn.Module):
         super().__init__()
         size = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size])
+        self.gate_up_proj.gated_silu = True  # on AMX the product applies the activation
         self.down_proj = RowParallelLinear(size, cfg.hidden_size)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down_proj(self.act(self.gate_up_proj(x)))
+        h = self.gate_up_proj(x)
+        out: torch.Tensor = self.down_proj(h if self.gate_up_proj.activated else self.act(h))
         return out
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.layers.linear import LinearBase
+from engine.layers.linear import LinearBase, MergedColumnParallelLinear
 from kernels import cpu_gemm, cpu_kernels, ops
 from tests.checkpoints import make_checkpoint
 
@@ -32,6 +32,11 @@ def test_bfloat16_fast_path_agrees_with_the_torch_path(tmp_path, monkeypatch):
               if isinstance(m, LinearBase)]
     if cpu_gemm.packing_supported(torch.empty(1, 1, dtype=torch.bfloat16)):
         assert packed and all(packed)
+    gate_ups = [m for m in fast.engine.runner.model.modules()
+                if isinstance(m, MergedColumnParallelLinear) and m.gated_silu]
+    assert len(gate_ups) == 2  # one per layer
+    if cpu_gemm.pack_gated(torch.zeros(2, 32, dtype=torch.bfloat16)) is not None:  # AMX
+        assert all(m.activated for m in gate_ups)  # SiLU-and-multiply inside the product
     with ops.backend("reference"):
         slow, slow_out = _generate(path, cpu_packed_gemm=False)
         assert not any(m.packed is not None for m in slow.engine.runner.model.modules()

@@ -350,6 +350,34 @@ def test_dense_linear_across_row_blocks_and_panel_groups():
         pytest.skip("no C dense kernel for this CPU class")
 
 
+_GATED = pytest.mark.skipif(cpu_gemm.pack_gated(torch.zeros(2, 32).bfloat16()) is None,
+                            reason="the fused gate-up product runs on AMX tiles only")
+
+
+@_GATED
+@pytest.mark.parametrize("n,k", [(100, 64), (20, 64), (70, 896), (64, 4864)])
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 32, 33, 300])
+def test_gated_product_is_silu_and_mul_of_the_product_bit_for_bit(n, k, rows):
+    # gate and up interleaved in blocks of 32 (n not a multiple of 32: the last block padded);
+    # the fused epilogue rounds as the product's store and silu_and_mul_cpu do
+    torch.manual_seed(n * rows + k)
+    weight = torch.randn(2 * n, k).bfloat16()
+    fused, plain = cpu_gemm.pack_gated(weight), cpu_gemm.pack(weight)
+    assert fused is not None and fused.gated and (fused.n, fused.k) == (n, k)
+    base = torch.randn(rows, k + 3).bfloat16()
+    for x in (base[:, :k], base[:, :k].contiguous()):
+        two_steps = ops.silu_and_mul(cpu_gemm.packed_linear(x, plain, None))
+        assert torch.equal(cpu_gemm.packed_linear(x, fused, None), two_steps)
+    with pytest.raises(ValueError, match="no bias"):
+        cpu_gemm.packed_linear(base[:, :k], fused, torch.zeros(n).bfloat16())
+
+
+def test_gated_packing_declines_what_it_cannot_fuse():
+    assert cpu_gemm.pack_gated(torch.randn(2 * 20, 33).bfloat16()) is None  # inputs not 32s
+    assert cpu_gemm.pack_gated(torch.randn(2 * 20, 64)) is None  # float32
+    assert cpu_gemm.pack_gated(torch.randn(41, 64).bfloat16()) is None  # no two halves
+
+
 @_DENSE
 def test_dense_linear_needs_no_warm_up_and_pads_to_panels():
     weight = torch.randn(70, 16).bfloat16()
