@@ -106,10 +106,12 @@ def pack_gated(weight: torch.Tensor) -> DensePacked | None:
     product is SiLU-and-multiply of the two (``silu(gate) * up``, [M, n]) in one pass; None where
     the kernel has no fused product for it (AMX tiles, bfloat16, k a multiple of 32)."""
     two_n, k = weight.shape
-    if (two_n % 2 or not packing_supported(weight) or not dense_kernel_used(weight)
-            or not cpu_kernels.call("dense_gated_supported_cpu", cpu_kernels.DTYPES[weight.dtype], k)):
+    if two_n % 2 or not packing_supported(weight) or not dense_kernel_used(weight):
         return None
-    n, blocks = two_n // 2, -(-two_n // 64)
+    if not cpu_kernels.call("dense_gated_supported_cpu", cpu_kernels.DTYPES[weight.dtype], k):
+        return None
+    n = two_n // 2
+    blocks = -(-n // 32)
     parts = weight.detach().new_zeros(2, blocks * 32, k)  # gate, up; padded to blocks of 32
     parts[0, :n], parts[1, :n] = weight[:n], weight[n:]
     interleaved = parts.view(2, blocks, 32, k).transpose(0, 1).reshape(blocks * 64, k)
