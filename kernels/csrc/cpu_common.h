@@ -314,6 +314,13 @@ static inline void prefetch_block(const char *p, size_t bytes) {
 }
 
 #ifdef VF
+/* silu(g) * u in each lane, silu(g) rounded to the element type before the product (as torch's
+ * two ops round): silu_and_mul_cpu's arithmetic, shared with the fused gate-up product. */
+static inline vf v_silu_mul(vf g, vf u, int dtype) {
+    const vf s = v_round_dt(v_div(g, v_add(v_set1(1.0f), v_exp(v_sub(v_zero(), g)))), dtype);
+    return v_mul(s, u);
+}
+
 /* cap * tanh(x / cap) in each lane (tanhf: the scores of soft-capped models only). */
 static inline vf v_softcap(vf x, float cap) {
     float t[VW];

@@ -23,11 +23,11 @@
  * so 16 pair steps of 16 channels are one B tile (16 rows of 64 bytes, 128 bytes apart) and a
  * half streams from memory in order. A gated weight (dense_linear_gated_cpu) puts 32 channels'
  * gate rows in a panel's first half and the same channels' up rows in its second, and the tile
- * writes silu(gate) * up: an MLP's gate-up product and its activation in one pass. oneDNN's AMX products, which the engine used before, cost
- * about 30 us a call beyond their work (a 64 x 64 product: 30 us from Python, 7-13 us inside
- * oneDNN); at 1 to 32 rows they took 1.14-1.21x this kernel's time (the 0.5B model's four
- * linears, 24 layers, weights from DRAM), at 256 and 512 rows within 15% either way, shape by
- * shape.
+ * writes silu(gate) * up: an MLP's gate-up product and its activation in one pass. oneDNN's AMX
+ * products, which the engine used before, cost about 30 us a call beyond their work (a 64 x 64
+ * product: 30 us from Python, 7-13 us inside oneDNN); at 1 to 32 rows they took 1.14-1.21x this
+ * kernel's time (the 0.5B model's four linears, 24 layers, weights from DRAM), at 256 and 512
+ * rows within 15% either way, shape by shape.
  *
  * Prompt-sized products block both operands for the core's L2: rows in blocks of XBLOCK_BYTES
  * of x, panels in groups of GROUP_BYTES, each row block running over a group's panels (x comes
@@ -197,15 +197,13 @@ typedef struct {
  * stride 64), with the roundings of the two-step path: g and u rounded to bfloat16 as the
  * product stores them, then as silu_and_mul_cpu (elementwise_cpu.c) does, bit for bit. */
 static void gated_epilogue(const float *c, uint16_t *out, int64_t so, int ncols, int mrc) {
-    const vf one = v_set1(1.0f);
     for (int j = 0; j < 2; j++) {
         const int live = live_cols(ncols, j, 16);
         if (live == 0) continue;
         for (int i = 0; i < mrc; i++) {
             const vf g = v_round_dt(_mm512_load_ps(c + i * PW + 16 * j), 1);
             const vf u = v_round_dt(_mm512_load_ps(c + i * PW + 32 + 16 * j), 1);
-            const vf sg = v_round_dt(v_div(g, v_add(one, v_exp(v_sub(v_zero(), g)))), 1);
-            const vf r = v_mul(sg, u);
+            const vf r = v_silu_mul(g, u, 1);
             if (live == 16) {
                 v_store_dt(out + i * so + 16 * j, r, 1);
             } else {
@@ -217,12 +215,12 @@ static void gated_epilogue(const float *c, uint16_t *out, int64_t so, int ncols,
     }
 }
 
-/* Rows x[0..mrc) (mrc <= 32) times panel wp on AMX tiles, as tile_bf16 (same layout: a k pair
- * step of the panel is 256 bytes, so 16 steps of one 16-channel quarter of it are a B tile of
- * 16 rows of 64 bytes, 256 bytes apart). K a multiple of 32. The panel runs in two halves of
- * two quarters; per 32 inputs, two row tiles (4, 5: up to 16 rows each) times two weight
- * quarters (6, 7) into four float32 sums (0-3: row tile r, quarter q in tile 2 r + q), so each
- * weight tile is loaded once for all the rows and each row tile once for two quarters. */
+/* Rows x[0..mrc) (mrc <= 32) times panel wp on AMX tiles, as tile_bf16 does on vectors; the
+ * panel in halves (the layout above: 16 pair steps of 16 channels are a B tile of 16 rows of 64
+ * bytes, 128 bytes apart). K a multiple of 32. The panel runs half by half; per 32 inputs, two
+ * row tiles (4, 5: up to 16 rows each) times the half's two weight quarters (6, 7) into four
+ * float32 sums (0-3: row tile r, quarter q in tile 2 r + q), so each weight tile is loaded once
+ * for all the rows and each row tile once for two quarters. */
 static void tile_amx(const uint16_t *x, int64_t sx, int64_t K, const uint16_t *wp, uint16_t *out,
                      int64_t so, int ncols, const uint16_t *bias, Prefetch pf, int mrc, int gated) {
     const int r0 = mrc < 16 ? mrc : 16, r1 = mrc - r0;
@@ -400,6 +398,7 @@ typedef struct { /* one product's operands and blocking */
     int64_t mr, ksteps; /* rows per tile; k steps per tile (prefetch pacing) */
     int amx;            /* tiles on AMX (tile_amx) */
     int gated;          /* silu(gate) * up of interleaved gate and up halves: 32 outputs a panel */
+    int64_t opw;        /* output channels per panel: pw, or pw / 2 when gated */
 } Job;
 
 /* Panels [p0, p1) over row tiles [t0, t1): groups of G panels, row blocks of TB tiles, each
@@ -414,7 +413,7 @@ static void run_panels(const Job *j, int64_t p0, int64_t p1, int64_t pf_end, int
             const int64_t b1 = b0 + j->TB < t1 ? b0 + j->TB : t1, nb = b1 - b0;
             for (int64_t p = g0; p < g1; p++) {
                 const char *wp = j->packed + (size_t)(p * j->panel * j->es);
-                const int64_t opw = j->gated ? j->pw / 2 : j->pw; /* outputs per panel */
+                const int64_t opw = j->opw;
                 const int ncols = (int)(j->N - p * opw < opw ? j->N - p * opw : opw);
                 const char *pb = j->bias ? j->bias + (size_t)(p * j->pw * j->es) : NULL;
                 const int fetch = nb > (j->amx ? 2 : 1) && nb <= PF_TILES && p + 1 < pf_end &&
@@ -483,8 +482,8 @@ static int dense_run(void *out, const void *x, const void *packed, const void *b
              .so = so, .N = N, .M = M, .K = K, .es = dtype == 1 ? 2 : 4, .pw = pw,
              .gated = gated};
     j.steps = dtype == 1 ? (K + 1) / 2 : K; /* a panel's k steps, 256 or 64 B each */
-    const int64_t opw = gated ? pw / 2 : pw; /* outputs per panel */
-    j.P_ALL = (N + opw - 1) / opw;
+    j.opw = gated ? pw / 2 : pw;
+    j.P_ALL = (N + j.opw - 1) / j.opw;
     j.mr = MR;
     j.ksteps = j.steps;
 #ifdef DENSE_AMX

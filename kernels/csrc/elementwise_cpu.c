@@ -90,13 +90,10 @@ int silu_and_mul_cpu(void *out, const void *x, int64_t T, int I, int64_t sx, int
         char *o = (char *)out + (size_t)t * so * es;
         int d = 0;
 #ifdef VF
-        const vf one = v_set1(1.0f);
-        for (; d + VW <= I; d += VW) {
-            const vf gv = v_load_dt(g + d * es, dtype);
-            const vf e = v_exp(v_sub(v_zero(), gv));
-            const vf s = v_round_dt(v_div(gv, v_add(one, e)), dtype);
-            v_store_dt(o + d * es, v_mul(s, v_load_dt(u + d * es, dtype)), dtype);
-        }
+        for (; d + VW <= I; d += VW)
+            v_store_dt(o + d * es,
+                       v_silu_mul(v_load_dt(g + d * es, dtype), v_load_dt(u + d * es, dtype), dtype),
+                       dtype);
 #endif
         for (; d < I; d++) {
             const float gv = dtype == 1 ? bf16_to_f32(((const uint16_t *)g)[d]) : ((const float *)g)[d];
