@@ -350,6 +350,28 @@ def test_dense_linear_across_row_blocks_and_panel_groups():
         pytest.skip("no C dense kernel for this CPU class")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(100, 64), (1152, 896), (64, 4864)])
+def test_prompt_sized_products_give_the_bits_of_small_ones(dtype, n, k):
+    # a product of many rows runs in other loops than one of a few (on AMX: k-blocked over
+    # several tiles, the sums kept in memory between blocks), but every row's sum runs over
+    # its inputs in the same order: the same bits as the rows taken 32 at a time (one tile)
+    if not cpu_gemm.dense_kernel_used(torch.empty(2, 2, dtype=dtype)):
+        pytest.skip(f"no C dense kernel for {dtype} on this CPU class")
+    torch.manual_seed(n + k)
+    weight, bias = torch.randn(n, k).to(dtype), torch.randn(n).to(dtype)
+    x = torch.randn(333, k).to(dtype)
+    packed = cpu_gemm.pack(weight)
+    whole = cpu_gemm.packed_linear(x, packed, bias)
+    assert torch.equal(whole, torch.cat([cpu_gemm.packed_linear(x[i:i + 32], packed, bias)
+                                         for i in range(0, 333, 32)]))
+    gated = cpu_gemm.pack_gated(torch.cat([weight, weight.flip(0)]))
+    if gated is not None:
+        whole = cpu_gemm.packed_linear(x, gated, None)
+        assert torch.equal(whole, torch.cat([cpu_gemm.packed_linear(x[i:i + 32], gated, None)
+                                             for i in range(0, 333, 32)]))
+
+
 _GATED = pytest.mark.skipif(cpu_gemm.pack_gated(torch.zeros(2, 32).bfloat16()) is None,
                             reason="the fused gate-up product runs on AMX tiles only")
 
