@@ -216,8 +216,22 @@ static void gated_epilogue(const float *c, uint16_t *out, int64_t so, int ncols,
     }
 }
 
-/* One half of a panel (wh: its K / 2 pairs of 32 channels, in order) into the sums in tiles 0-3,
- * as tile_amx describes. With `ahead`, each 32-input step first asks for the lines that step
+/* The tile registers for two row tiles of r0 and r1 rows (r1 may be 0): sums 0-3, rows 4-5,
+ * weights 6-7. */
+static void amx_configure(int r0, int r1) {
+    DenseTileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    const int rows[8] = {r0, r0, r1, r1, r0, r1, 16, 16};
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = (uint8_t)rows[t];
+        cfg.colsb[t] = rows[t] ? 64 : 0;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* Inputs k0..k1 of one half of a panel (wh: its K / 2 pairs of 32 channels, in order) into the
+ * sums in tiles 0-3, as tile_amx describes. With `ahead`, each 32-input step first asks for the lines that step
  * will read AMX_AHEAD bytes on (to L1), so the weights' stream keeps enough misses in flight: the
  * hardware prefetchers alone left the 0.5B model's products at 1-64 rows at 15-18 GB/s of this
  * VM's 25 (dense_ab.py, 12 layers, alternating builds: 32 rows 23.5 -> 18.9 ms, 16 rows 17.7 ->
@@ -225,9 +239,9 @@ static void gated_epilogue(const float *c, uint16_t *out, int64_t so, int ncols,
  * stream runs past the half into the next half or panel, as the weights lie in memory. */
 #define AMX_AHEAD 8192
 static inline __attribute__((always_inline)) void amx_half(
-    const uint16_t *x, const uint16_t *x1, int64_t sxb, int64_t K, const uint16_t *wh, int r1,
-    Prefetch *pf, const int ahead) {
-    for (int64_t k = 0; k < K; k += 32) {
+    const uint16_t *x, const uint16_t *x1, int64_t sxb, int64_t k0, int64_t k1, const uint16_t *wh,
+    int r1, Prefetch *pf, const int ahead) {
+    for (int64_t k = k0; k < k1; k += 32) {
         const uint16_t *w = wh + k / 2 * 64; /* k / 2 pairs, 32 x 2 each */
         if (pf->left) prefetch_step(pf);
         if (ahead)
@@ -258,15 +272,7 @@ static void tile_amx(const uint16_t *x, int64_t sx, int64_t K, const uint16_t *w
                      int64_t so, int ncols, const uint16_t *bias, Prefetch pf, int mrc, int gated,
                      int ahead) {
     const int r0 = mrc < 16 ? mrc : 16, r1 = mrc - r0;
-    DenseTileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    const int rows[8] = {r0, r0, r1, r1, r0, r1, 16, 16};
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = (uint8_t)rows[t];
-        cfg.colsb[t] = rows[t] ? 64 : 0;
-    }
-    _tile_loadconfig(&cfg);
+    amx_configure(r0, r1);
     float c[MR_AMX * PW] __attribute__((aligned(64)));
     const int64_t sxb = sx * 2;
     const uint16_t *x1 = x + 16 * sx;
@@ -279,8 +285,8 @@ static void tile_amx(const uint16_t *x, int64_t sx, int64_t K, const uint16_t *w
             _tile_zero(3);
         }
         const uint16_t *wh = wp + half * K / 2 * 64;
-        if (ahead) amx_half(x, x1, sxb, K, wh, r1, &pf, 1);
-        else amx_half(x, x1, sxb, K, wh, r1, &pf, 0);
+        if (ahead) amx_half(x, x1, sxb, 0, K, wh, r1, &pf, 1);
+        else amx_half(x, x1, sxb, 0, K, wh, r1, &pf, 0);
         _tile_stored(0, c + 32 * half, PW * 4);
         _tile_stored(1, c + 32 * half + 16, PW * 4);
         if (r1) {
@@ -327,14 +333,7 @@ static void amx_epilogue(const float *c, uint16_t *out, int64_t so, int ncols, c
 static void panel_amx_blocked(const uint16_t *x, int64_t sx, int64_t K, const uint16_t *wp,
                               uint16_t *out, int64_t so, int ncols, const uint16_t *bias,
                               Prefetch pf, int nt, int gated) {
-    DenseTileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
+    amx_configure(16, 16);
     float c[NT_AMX * MR_AMX * PW] __attribute__((aligned(64))); /* 64 KB */
     const int64_t sxb = sx * 2;
     for (int half = 0; half < 2; half++) {
@@ -352,19 +351,8 @@ static void panel_amx_blocked(const uint16_t *x, int64_t sx, int64_t K, const ui
                     _tile_loadd(2, ct + 16 * PW, PW * 4);
                     _tile_loadd(3, ct + 16 * PW + 16, PW * 4);
                 }
-                const uint16_t *x0 = x + t * 32 * sx, *x1 = x0 + 16 * sx;
-                for (int64_t k = k0; k < k1; k += 32) {
-                    const uint16_t *w = wh + k / 2 * 64;
-                    if (pf.left) prefetch_step(&pf);
-                    _tile_loadd(6, w, 128);
-                    _tile_loadd(7, w + 32, 128);
-                    _tile_loadd(4, x0 + k, sxb);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                    _tile_loadd(5, x1 + k, sxb);
-                    _tile_dpbf16ps(2, 5, 6);
-                    _tile_dpbf16ps(3, 5, 7);
-                }
+                const uint16_t *x0 = x + t * 32 * sx;
+                amx_half(x0, x0 + 16 * sx, sxb, k0, k1, wh, 16, &pf, 0);
                 _tile_stored(0, ct, PW * 4);
                 _tile_stored(1, ct + 16, PW * 4);
                 _tile_stored(2, ct + 16 * PW, PW * 4);
@@ -518,9 +506,9 @@ static void run_panels(const Job *j, int64_t p0, int64_t p1, int64_t pf_end, int
                     for (int64_t t = b0; t < b0 + full; t += NT_AMX) {
                         const int n = (int)(b0 + full - t < NT_AMX ? b0 + full - t : NT_AMX);
                         Prefetch pf = {NULL, 0, 0, 0, 1};
-                        if (fetch && t == b0) {
+                        if (fetch && t == b0) { /* the whole tiles' shares of the next panel */
                             pf.p = wp + (size_t)(j->panel * j->es);
-                            pf.left = pf.lines = j->lines;
+                            pf.left = pf.lines = full * j->lines / nb;
                             pf.steps = 2 * n * j->ksteps;
                         }
                         panel_amx_blocked((const uint16_t *)(j->x + (size_t)(t * 32 * j->sx * j->es)),
