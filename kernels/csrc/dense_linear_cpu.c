@@ -231,12 +231,13 @@ static void amx_configure(int r0, int r1) {
 }
 
 /* Inputs k0..k1 of one half of a panel (wh: its K / 2 pairs of 32 channels, in order) into the
- * sums in tiles 0-3, as tile_amx describes. With `ahead`, each 32-input step first asks for the lines that step
- * will read AMX_AHEAD bytes on (to L1), so the weights' stream keeps enough misses in flight: the
- * hardware prefetchers alone left the 0.5B model's products at 1-64 rows at 15-18 GB/s of this
- * VM's 25 (dense_ab.py, 12 layers, alternating builds: 32 rows 23.5 -> 18.9 ms, 16 rows 17.7 ->
- * 16.0, 64 rows 30.8 -> 25.7, 1 row 17.1 -> 15.3; 4 and 16 KB ahead, or to L2, did less). The
- * stream runs past the half into the next half or panel, as the weights lie in memory. */
+ * sums in tiles 0-3, as tile_amx describes. With `ahead` (a constant in each inlined copy), each
+ * 32-input step first asks for the lines read AMX_AHEAD bytes on (to L1), so the weights' stream
+ * keeps enough misses in flight: the hardware prefetchers alone left the 0.5B model's products
+ * at 1-64 rows at 15-18 GB/s of this VM's 25 (dense_ab.py, 12 layers, alternating builds: 32
+ * rows 23.5 -> 18.9 ms, 16 rows 17.7 -> 16.0, 64 rows 30.8 -> 25.7, 1 row 17.1 -> 15.3; 4 and
+ * 16 KB ahead, or to L2, did less). The stream runs on past the half into the next half or
+ * panel, as the weights lie in memory. */
 #define AMX_AHEAD 8192
 static inline __attribute__((always_inline)) void amx_half(
     const uint16_t *x, const uint16_t *x1, int64_t sxb, int64_t k0, int64_t k1, const uint16_t *wh,
@@ -245,7 +246,8 @@ static inline __attribute__((always_inline)) void amx_half(
         const uint16_t *w = wh + k / 2 * 64; /* k / 2 pairs, 32 x 2 each */
         if (pf->left) prefetch_step(pf);
         if (ahead)
-            for (int l = 0; l < 32; l++) _mm_prefetch((const char *)w + AMX_AHEAD + 64 * l, _MM_HINT_T0);
+            for (int l = 0; l < 32; l++)
+                _mm_prefetch((const char *)w + AMX_AHEAD + 64 * l, _MM_HINT_T0);
         _tile_loadd(6, w, 128);
         _tile_loadd(7, w + 32, 128);
         _tile_loadd(4, x + k, sxb);
@@ -502,7 +504,8 @@ static void run_panels(const Job *j, int64_t p0, int64_t p1, int64_t pf_end, int
                 int64_t tstart = b0;
 #ifdef DENSE_AMX
                 if (j->amx && nb >= 3) { /* prompt-sized: whole tiles k-blocked */
-                    const int64_t full = (j->M - b0 * 32) / 32 < nb ? (j->M - b0 * 32) / 32 : nb;
+                    const int64_t whole = (j->M - b0 * j->mr) / j->mr;
+                    const int64_t full = whole < nb ? whole : nb;
                     for (int64_t t = b0; t < b0 + full; t += NT_AMX) {
                         const int n = (int)(b0 + full - t < NT_AMX ? b0 + full - t : NT_AMX);
                         Prefetch pf = {NULL, 0, 0, 0, 1};
@@ -511,10 +514,11 @@ static void run_panels(const Job *j, int64_t p0, int64_t p1, int64_t pf_end, int
                             pf.left = pf.lines = full * j->lines / nb;
                             pf.steps = 2 * n * j->ksteps;
                         }
-                        panel_amx_blocked((const uint16_t *)(j->x + (size_t)(t * 32 * j->sx * j->es)),
-                                          j->sx, j->K, (const uint16_t *)wp,
-                                          (uint16_t *)(j->out + (size_t)((t * 32 * j->so + p * opw) * j->es)),
-                                          j->so, ncols, (const uint16_t *)pb, pf, n, j->gated);
+                        const char *xt = j->x + (size_t)(t * j->mr * j->sx * j->es);
+                        char *ot = j->out + (size_t)((t * j->mr * j->so + p * opw) * j->es);
+                        panel_amx_blocked((const uint16_t *)xt, j->sx, j->K, (const uint16_t *)wp,
+                                          (uint16_t *)ot, j->so, ncols, (const uint16_t *)pb, pf,
+                                          n, j->gated);
                     }
                     tstart = b0 + full;
                 }
