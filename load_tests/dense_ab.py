@@ -5,7 +5,8 @@ milliseconds for ``--layers`` layers' products (their weights larger than L3, as
 
     python load_tests/dense_ab.py --sources old.c,kernels/csrc/dense_linear_cpu.c --rows 16
 
-``--march`` picks the class (``native``; ``haswell`` for AVX2, ``skylake-avx512`` for AVX-512
+``--shapes`` replaces the layer's weights (OUTxIN; ``151936x896``: the 0.5B LM head). ``--march``
+picks the class (``native``; ``haswell`` for AVX2, ``skylake-avx512`` for AVX-512
 without bf16). Every build must give the same output as the first.
 """
 
@@ -58,12 +59,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES),
+                    help="weights as OUTxIN, comma-separated (151936x896: the 0.5B LM head)")
     args = ap.parse_args(argv)
+    shapes = [(int(n), int(k)) for n, k in (s.split("x") for s in args.shapes.split(","))]
     sources = args.sources.split(",")
     dt, code = (torch.bfloat16, 1) if args.dtype == "bfloat16" else (torch.float32, 0)
     torch.manual_seed(0)
-    ws = [torch.randn(n, k, dtype=dt) * 0.05 for n, k in SHAPES * args.layers]
-    xs = {k: torch.randn(args.rows, k, dtype=dt) for k in {k for _, k in SHAPES}}
+    ws = [torch.randn(n, k, dtype=dt) * 0.05 for n, k in shapes * args.layers]
+    xs = {k: torch.randn(args.rows, k, dtype=dt) for k in {k for _, k in shapes}}
     outs = [torch.empty(args.rows, w.shape[0], dtype=dt) for w in ws]
     with tempfile.TemporaryDirectory() as tmp:
         libs = [_build(s, args.march, tmp, i) for i, s in enumerate(sources)]

@@ -47,8 +47,8 @@
  * panel's arithmetic: 31 ms at 29 rows, 1.05-1.4x oneDNN from 1 to 64 rows, and even with it
  * on prompt-sized products (2048 rows, compute bound), load_tests/gemm_bench.py on two Zen 5
  * cores. One-tile products (up to MR rows) are memory bound and stream the weights without
- * software prefetch, except on AMX, where a panel's first tile asks for its weights a fixed
- * distance ahead (amx_half) in products of up to two tiles a panel (64 rows).
+ * software prefetch, except on AMX, where the tile asks for its weights a fixed distance ahead
+ * (amx_half).
  */
 #include "cpu_common.h"
 
@@ -237,7 +237,11 @@ static void amx_configure(int r0, int r1) {
  * at 1-64 rows at 15-18 GB/s of this VM's 25 (dense_ab.py, 12 layers, alternating builds: 32
  * rows 23.5 -> 18.9 ms, 16 rows 17.7 -> 16.0, 64 rows 30.8 -> 25.7, 1 row 17.1 -> 15.3; 4 and
  * 16 KB ahead, or to L2, did less). The stream runs on past the half into the next half or
- * panel, as the weights lie in memory. */
+ * panel, as the weights lie in memory. Only one-tile products (up to 32 rows) ask ahead: with
+ * two tiles a panel the first tile's stream left the memory idle while the second ran from
+ * cache, and each tile's share of the next panel to L2 (run_panels) did better: the LM head
+ * (151,936 x 896, two copies) at 64 rows 41.7 -> 34.2 ms, at 40 rows 30.6-31.1 -> 29.4; the
+ * layers at 64 rows within 3%. */
 #define AMX_AHEAD 8192
 static inline __attribute__((always_inline)) void amx_half(
     const uint16_t *x, const uint16_t *x1, int64_t sxb, int64_t k0, int64_t k1, const uint16_t *wh,
@@ -499,7 +503,7 @@ static void run_panels(const Job *j, int64_t p0, int64_t p1, int64_t pf_end, int
                 const int64_t opw = j->opw;
                 const int ncols = (int)(j->N - p * opw < opw ? j->N - p * opw : opw);
                 const char *pb = j->bias ? j->bias + (size_t)(p * j->pw * j->es) : NULL;
-                const int fetch = nb > (j->amx ? 2 : 1) && nb <= PF_TILES && p + 1 < pf_end &&
+                const int fetch = nb > 1 && nb <= PF_TILES && p + 1 < pf_end &&
                                   ((b0 == t0 && p + 1 < g1) || (b1 == t1 && p + 1 == g1));
                 int64_t tstart = b0;
 #ifdef DENSE_AMX
@@ -512,7 +516,7 @@ static void run_panels(const Job *j, int64_t p0, int64_t p1, int64_t pf_end, int
                         if (fetch && t == b0) { /* the whole tiles' shares of the next panel */
                             pf.p = wp + (size_t)(j->panel * j->es);
                             pf.left = pf.lines = full * j->lines / nb;
-                            pf.steps = 2 * n * j->ksteps;
+                            pf.steps = n * j->ksteps;
                         }
                         const char *xt = j->x + (size_t)(t * j->mr * j->sx * j->es);
                         char *ot = j->out + (size_t)((t * j->mr * j->so + p * opw) * j->es);
@@ -595,7 +599,7 @@ static int dense_run(void *out, const void *x, const void *packed, const void *b
     if (amx_layout(dtype, K)) {
         j.amx = 1;
         j.mr = MR_AMX;
-        j.ksteps = K / 32;
+        j.ksteps = K / 16; /* 32 inputs a step, in each half */
     }
 #endif
     j.T = (M + j.mr - 1) / j.mr;

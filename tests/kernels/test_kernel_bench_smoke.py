@@ -65,3 +65,9 @@ def test_dense_ab_times_builds_and_rejects_one_that_computes_otherwise(tmp_path,
     assert len(capsys.readouterr().out.splitlines()) == 2
     with pytest.raises(SystemExit, match="other outputs"):
         module.main(["--sources", f"{source},{other}", *argv])
+    # --shapes: with 40 inputs (one block of either size) the two builds agree, as they do not
+    # on the default shapes or on 200 inputs
+    shaped = module.main(["--sources", f"{source},{other}", *argv, "--shapes", "70x40,33x40"])
+    assert len(shaped) == 2 and all(r["min_ms"] > 0 for r in shaped)
+    with pytest.raises(SystemExit, match="other outputs"):
+        module.main(["--sources", f"{source},{other}", *argv, "--shapes", "70x40,70x200"])
