@@ -125,6 +125,12 @@ static void pair_values(AmxScratch *w, const char *vb, int n, size_t row, int D)
     }
 }
 
+/* Bytes from a [T, Hq, D] bfloat16 tensor (row stride `stride` elements) to lane n's vector:
+ * row r0 + n / group, head kvh * group + n % group. */
+static inline size_t lane_offset(int64_t r0, int n, int group, int kvh, int D, int64_t stride) {
+    return ((size_t)(r0 + n / group) * (size_t)stride + (size_t)(kvh * group + n % group) * D) * 2;
+}
+
 /* One tile: rows r0 .. r0 + nr - 1 of the query (positions pos0 ..), kv head kvh. With `fetch`
  * each block asks for the next one ahead: the first tile of a kv head in an item; the item's
  * later tiles read the same blocks, from cache, and asking again cost a prompt's attention 7%.
@@ -147,8 +153,7 @@ static void amx_tile(AmxScratch *w, void *out, const void *query, const char *k_
         const int64_t pos = pos0 + n / group;
         w->qpos[n] = n < lanes ? (int32_t)pos : -1;
         w->first[n] = n < lanes ? (int32_t)window_start(pos, window) : INT32_MAX;
-        qrow[n] = n < lanes ? (const char *)query + ((size_t)(r0 + n / group) * q_stride_t
-                                                     + (size_t)(kvh * group + n % group) * D) * 2
+        qrow[n] = n < lanes ? (const char *)query + lane_offset(r0, n, group, kvh, D, q_stride_t)
                             : NULL;
     }
     for (int c = 0; c < D / 32; c++) { /* qt[c]: 16 pairs x 16 lanes, lanes past `lanes` zero */
@@ -192,22 +197,9 @@ static void amx_tile(AmxScratch *w, void *out, const void *query, const char *k_
             }
         }
     }
-    /* o's columns in permuted_d's order put back: per 32 dims, vectors e = 0 and 1 of lane k
-     * hold dims 8 (k / 4) + 4 e + k % 4, four at a time */
-    const __m512i plo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i phi = _mm512_add_epi32(plo, _mm512_set1_epi32(8));
-    for (int n = 0; n < lanes; n++) {
-        const __m512 inv = _mm512_set1_ps(w->l[n] > 0.0f ? 1.0f / w->l[n] : 0.0f);
-        uint16_t *dst = (uint16_t *)((char *)out + ((size_t)(r0 + n / group) * out_stride_t
-                                                    + (size_t)(kvh * group + n % group) * D) * 2);
-        for (int c2 = 0; c2 < D / 32; c2++) {
-            const float *a = w->o + (size_t)n * D + 32 * c2;
-            const __m512 v0 = _mm512_mul_ps(_mm512_load_ps(a), inv);
-            const __m512 v1 = _mm512_mul_ps(_mm512_load_ps(a + 16), inv);
-            store16_bf16(dst + 32 * c2, _mm512_permutex2var_ps(v0, plo, v1));
-            store16_bf16(dst + 32 * c2 + 16, _mm512_permutex2var_ps(v0, phi, v1));
-        }
-    }
+    for (int n = 0; n < lanes; n++)
+        store_permuted_bf16((uint16_t *)((char *)out + lane_offset(r0, n, group, kvh, D, out_stride_t)),
+                            w->o + (size_t)n * D, w->l[n] > 0.0f ? 1.0f / w->l[n] : 0.0f, D);
 }
 
 /* Rows row0 .. row0 + nrows - 1 (positions pos0 ..) and kv heads kvh0 .. kvh1 - 1 of one

@@ -339,6 +339,21 @@ static inline int permuted_d(int i) {
     return 32 * (j / 2) + 8 * (k / 4) + 4 * (j % 2) + k % 4;
 }
 
+/* An accumulator row a of D floats (D a multiple of 32) in permuted_d's order, times inv, as
+ * bfloat16 at dst in the dims' order: per 32 dims, four lanes of vector 0 then four of vector 1,
+ * in turn. The bits of store_row over a[permuted_d(i)] * inv, two permutes per 32 dims. */
+static inline void store_permuted_bf16(uint16_t *dst, const float *a, float inv, int D) {
+    const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+    const __m512 s = _mm512_set1_ps(inv);
+    for (int c2 = 0; c2 < D / 32; c2++) {
+        const __m512 v0 = _mm512_mul_ps(_mm512_loadu_ps(a + 32 * c2), s);
+        const __m512 v1 = _mm512_mul_ps(_mm512_loadu_ps(a + 32 * c2 + 16), s);
+        store16_bf16(dst + 32 * c2, _mm512_permutex2var_ps(v0, lo, v1));
+        store16_bf16(dst + 32 * c2 + 16, _mm512_permutex2var_ps(v0, hi, v1));
+    }
+}
+
 /* A 16 x 16 matrix of 32-bit elements, one row per vector, transposed in place. */
 static inline void transpose16(__m512i r[16]) {
     __m512i t[16], u[16];

@@ -479,8 +479,12 @@ static inline __attribute__((always_inline)) void attend_row_dc(
     for (int h = h0; h < h1; h++) {
         const float inv = w->l[h] > 0.0f ? 1.0f / w->l[h] : 0.0f;
         float *a = w->acc + (size_t)h * D;
+        if (permuted) { /* bfloat16 */
+            store_permuted_bf16((uint16_t *)(out_row + (size_t)h * D * es), a, inv, D);
+            continue;
+        }
         float *o = w->kbuf;
-        for (int i = 0; i < D; i++) o[permuted ? permuted_d(i) : i] = a[i] * inv;
+        for (int i = 0; i < D; i++) o[i] = a[i] * inv;
         store_row(out_row + (size_t)h * D * es, o, D, dtype);
     }
 }
