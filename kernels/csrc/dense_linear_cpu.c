@@ -36,7 +36,12 @@
  * instead (the weights come from L3 once per block, x from memory once). Without it each panel
  * streamed all of x: at 2048 rows the AVX2 float32 tiles ran at 0.83-0.90x oneDNN's, with it
  * 0.97-1.0x (load_tests/gemm_bench.py --isa avx2 --dtype float32). Decode-sized products are one
- * row block, as before.
+ * row block, as before. On AMX, products of more than one row block of three or more tiles
+ * always run row blocks (of even size) over runs of panels, at least ROW_ITEMS work items a
+ * thread: the block's x stays in L2 while the panels stream past, prefetched. With groups of
+ * three panels x came from L3 once per group, and the tile loads waited on it: 2048 rows of the
+ * 0.5B model's qkv product 10.1 -> 7.9 ms, of its unfused gate-up product 82 -> 67 ms; 512 rows
+ * within 3% (dense_ab.py, builds alternating).
  *
  * Why not oneDNN (what torch's prepacked linear calls): its products stall on memory. A decode
  * step's weights come from DRAM, and a product that reads a panel from memory for its first
@@ -61,6 +66,7 @@
 #define GROUP_BYTES (384 * 1024)   /* packed weights per group of panels (at least one) */
 #define X_CACHED_BYTES (12 << 20)  /* larger x: work items are row blocks over all panels */
 #define CHUNKS 8 /* work items (runs of panels) per thread */
+#define ROW_ITEMS 4 /* AMX prompts: work items (a row block over a run of panels) per thread, at least */
 #if defined(__AVX512F__)
 #define PW32 64
 #define PF_GAP_F32 1 /* steps between a tile's prefetches, at least (float32; bfloat16: 1) */
@@ -187,6 +193,8 @@ static inline __attribute__((always_inline)) void tile_bf16(
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define DENSE_AMX 1
 #define MR_AMX 32 /* rows per tile_amx call: two tiles of up to 16 */
+#define KB_AMX 256 /* inputs per k block: a half's 32 channels of them are 16 KB, kept in L1 */
+#define NT_AMX 8   /* whole tiles per panel_amx_blocked call: their sums are 64 KB */
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -243,9 +251,49 @@ static void amx_configure(int r0, int r1) {
  * (151,936 x 896, two copies) at 64 rows 41.7 -> 34.2 ms, at 40 rows 30.6-31.1 -> 29.4; the
  * layers at 64 rows within 3%. */
 #define AMX_AHEAD 8192
+
+static void amx_epilogue(const float *c, uint16_t *out, int64_t so, int ncols, const uint16_t *bias,
+                         int mrc, int gated);
+
+/* The epilogue of the tiles a thread finished last (their float32 sums -> out), done a few rows
+ * at a time between the next tiles' steps, so the vector work (gated: SiLU's exp and divide per
+ * output) runs while the tile unit computes. Done at the end of the step, it was a third of a
+ * gated product's time at 2048 rows. Rows in c are PW floats apart, as tile_amx stores them. */
+typedef struct {
+    const float *c;
+    uint16_t *out;
+    const uint16_t *bias;
+    int64_t so;
+    int ncols, gated, rows, done, per; /* per: rows to do per step */
+} Epilogue;
+
+static inline void epilogue_rows(Epilogue *e, int n) {
+    const int end = e->done + n < e->rows ? e->done + n : e->rows;
+    for (; e->done < end; e->done++)
+        amx_epilogue(e->c + (int64_t)e->done * PW, e->out + e->done * e->so, e->so, e->ncols,
+                     e->bias, 1, e->gated);
+}
+
+/* Per thread: two buffers of tile sums, one being computed, one waiting for its epilogue. */
+typedef struct {
+    float sums[2][NT_AMX * MR_AMX * PW] __attribute__((aligned(64)));
+    int cur;
+    Epilogue wait;
+} AmxThread;
+
+/* The sums just computed in th->sums[th->cur] wait for their epilogue; the other buffer is next. */
+static void epilogue_defer(AmxThread *th, uint16_t *out, int64_t so, int ncols,
+                           const uint16_t *bias, int rows, int gated, int64_t steps) {
+    epilogue_rows(&th->wait, th->wait.rows); /* anything the last tiles' steps left */
+    const Epilogue e = {th->sums[th->cur], out, bias, so, ncols, gated, rows, 0,
+                        (int)((rows + steps - 1) / steps)};
+    th->wait = e;
+    th->cur ^= 1;
+}
+
 static inline __attribute__((always_inline)) void amx_half(
     const uint16_t *x, const uint16_t *x1, int64_t sxb, int64_t k0, int64_t k1, const uint16_t *wh,
-    int r1, Prefetch *pf, const int ahead) {
+    int r1, Prefetch *pf, const int ahead, Epilogue *ep) {
     for (int64_t k = k0; k < k1; k += 32) {
         const uint16_t *w = wh + k / 2 * 64; /* k / 2 pairs, 32 x 2 each */
         if (pf->left) prefetch_step(pf);
@@ -262,11 +310,9 @@ static inline __attribute__((always_inline)) void amx_half(
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
+        if (ep->done < ep->rows) epilogue_rows(ep, ep->per);
     }
 }
-
-static void amx_epilogue(const float *c, uint16_t *out, int64_t so, int ncols, const uint16_t *bias,
-                         int mrc, int gated);
 
 /* Rows x[0..mrc) (mrc <= 32) times panel wp on AMX tiles, as tile_bf16 does on vectors; the
  * panel in halves (the layout above: 16 pair steps of 16 channels are a B tile of 16 rows of 64
@@ -276,10 +322,10 @@ static void amx_epilogue(const float *c, uint16_t *out, int64_t so, int ncols, c
  * for all the rows and each row tile once for two quarters. */
 static void tile_amx(const uint16_t *x, int64_t sx, int64_t K, const uint16_t *wp, uint16_t *out,
                      int64_t so, int ncols, const uint16_t *bias, Prefetch pf, int mrc, int gated,
-                     int ahead) {
+                     int ahead, AmxThread *th) {
     const int r0 = mrc < 16 ? mrc : 16, r1 = mrc - r0;
     amx_configure(r0, r1);
-    float c[MR_AMX * PW] __attribute__((aligned(64)));
+    float *c = th->sums[th->cur];
     const int64_t sxb = sx * 2;
     const uint16_t *x1 = x + 16 * sx;
     for (int half = 0; half < 2; half++) {
@@ -291,8 +337,8 @@ static void tile_amx(const uint16_t *x, int64_t sx, int64_t K, const uint16_t *w
             _tile_zero(3);
         }
         const uint16_t *wh = wp + half * K / 2 * 64;
-        if (ahead) amx_half(x, x1, sxb, 0, K, wh, r1, &pf, 1);
-        else amx_half(x, x1, sxb, 0, K, wh, r1, &pf, 0);
+        if (ahead) amx_half(x, x1, sxb, 0, K, wh, r1, &pf, 1, &th->wait);
+        else amx_half(x, x1, sxb, 0, K, wh, r1, &pf, 0, &th->wait);
         _tile_stored(0, c + 32 * half, PW * 4);
         _tile_stored(1, c + 32 * half + 16, PW * 4);
         if (r1) {
@@ -301,7 +347,7 @@ static void tile_amx(const uint16_t *x, int64_t sx, int64_t K, const uint16_t *w
         }
     }
     _tile_release();
-    amx_epilogue(c, out, so, ncols, bias, mrc, gated);
+    epilogue_defer(th, out, so, ncols, bias, mrc, gated, 2 * K / 32);
 }
 
 /* A tile's float32 sums c (rows of PW, as tile_amx stores them) -> out: bias added and rounded,
@@ -326,8 +372,6 @@ static void amx_epilogue(const float *c, uint16_t *out, int64_t so, int ncols, c
     }
 }
 
-#define KB_AMX 256 /* inputs per k block: a half's 32 channels of them are 16 KB, kept in L1 */
-#define NT_AMX 8   /* whole tiles per panel_amx_blocked call: their sums are 64 KB */
 /* Prompt-sized products on AMX (three or more tiles a panel): nt (<= NT_AMX) whole 32-row tiles
  * (x and out rows 32 t..) times panel wp, k-blocked. Per half and block of KB_AMX inputs every
  * tile runs over the block's weights, which then come from L1 for all but the first tile, its
@@ -338,9 +382,9 @@ static void amx_epilogue(const float *c, uint16_t *out, int64_t so, int ncols, c
  * inputs, or of 128 over 16 tiles, did less. */
 static void panel_amx_blocked(const uint16_t *x, int64_t sx, int64_t K, const uint16_t *wp,
                               uint16_t *out, int64_t so, int ncols, const uint16_t *bias,
-                              Prefetch pf, int nt, int gated) {
+                              Prefetch pf, int nt, int gated, AmxThread *th) {
     amx_configure(16, 16);
-    float c[NT_AMX * MR_AMX * PW] __attribute__((aligned(64))); /* 64 KB */
+    float *c = th->sums[th->cur];
     const int64_t sxb = sx * 2;
     for (int half = 0; half < 2; half++) {
         if (!gated && live_cols(ncols, 2 * half, 16) == 0) break;
@@ -358,7 +402,7 @@ static void panel_amx_blocked(const uint16_t *x, int64_t sx, int64_t K, const ui
                     _tile_loadd(3, ct + 16 * PW + 16, PW * 4);
                 }
                 const uint16_t *x0 = x + t * 32 * sx;
-                amx_half(x0, x0 + 16 * sx, sxb, k0, k1, wh, 16, &pf, 0);
+                amx_half(x0, x0 + 16 * sx, sxb, k0, k1, wh, 16, &pf, 0, &th->wait);
                 _tile_stored(0, ct, PW * 4);
                 _tile_stored(1, ct + 16, PW * 4);
                 _tile_stored(2, ct + 16 * PW, PW * 4);
@@ -367,8 +411,7 @@ static void panel_amx_blocked(const uint16_t *x, int64_t sx, int64_t K, const ui
         }
     }
     _tile_release();
-    for (int t = 0; t < nt; t++)
-        amx_epilogue(c + t * MR_AMX * PW, out + t * 32 * so, so, ncols, bias, 32, gated);
+    epilogue_defer(th, out, so, ncols, bias, nt * MR_AMX, gated, 2 * nt * K / 32);
 }
 #endif
 
@@ -481,7 +524,7 @@ typedef struct { /* one product's operands and blocking */
     int dtype;
     const char *x, *packed, *bias;
     char *out;
-    int64_t sx, so, N, M, K, es, steps, panel, lines, pw, T, TB, G, P_ALL;
+    int64_t sx, so, N, M, K, es, steps, panel, lines, pw, T, TB, G, P_ALL, PC;
     int64_t mr, ksteps; /* rows per tile; k steps per tile (prefetch pacing) */
     int amx;            /* tiles on AMX (tile_amx) */
     int gated;          /* silu(gate) * up of interleaved gate and up halves: 32 outputs a panel */
@@ -493,7 +536,8 @@ typedef struct { /* one product's operands and blocking */
  * from memory (below pf_end): the group's next one during the first row block, the next
  * group's (or the next work item's) first one during the last. */
 static void run_panels(const Job *j, int64_t p0, int64_t p1, int64_t pf_end, int64_t t0,
-                       int64_t t1) {
+                       int64_t t1, void *amx_thread) {
+    (void)amx_thread; /* AMX builds only */
     for (int64_t g0 = p0; g0 < p1; g0 += j->G) {
         const int64_t g1 = g0 + j->G < p1 ? g0 + j->G : p1;
         for (int64_t b0 = t0; b0 < t1; b0 += j->TB) {
@@ -522,7 +566,7 @@ static void run_panels(const Job *j, int64_t p0, int64_t p1, int64_t pf_end, int
                         char *ot = j->out + (size_t)((t * j->mr * j->so + p * opw) * j->es);
                         panel_amx_blocked((const uint16_t *)xt, j->sx, j->K, (const uint16_t *)wp,
                                           (uint16_t *)ot, j->so, ncols, (const uint16_t *)pb, pf,
-                                          n, j->gated);
+                                          n, j->gated, amx_thread);
                     }
                     tstart = b0 + full;
                 }
@@ -543,7 +587,7 @@ static void run_panels(const Job *j, int64_t p0, int64_t p1, int64_t pf_end, int
                     if (j->amx) {
                         tile_amx((const uint16_t *)xt, j->sx, j->K, (const uint16_t *)wp,
                                  (uint16_t *)ot, j->so, ncols, (const uint16_t *)pb, pf, mr,
-                                 j->gated, nb <= 2 && t == b0);
+                                 j->gated, nb <= 2 && t == b0, amx_thread);
                         continue;
                     }
 #endif
@@ -564,19 +608,33 @@ typedef struct { int64_t v; char pad[56]; } __attribute__((aligned(64))) Counter
 static void run_share(const Job *j, Counter *next, const int64_t *first, int nt, int id,
                       int by_rows) {
     const int64_t items = first[nt];
+#ifdef DENSE_AMX
+    AmxThread th; /* 128 KB of sums on the stack */
+    th.cur = 0;
+    th.wait.rows = th.wait.done = 0;
+    void *amx_thread = &th;
+#else
+    void *amx_thread = NULL;
+#endif
     for (int v = 0; v < nt; v++) {
         const int o = (id + v) % nt;
         for (int64_t c; (c = __atomic_fetch_add(&next[o].v, 1, __ATOMIC_RELAXED)) < first[o + 1];) {
-            if (by_rows) {
-                const int64_t t0 = c * j->TB, t1 = t0 + j->TB < j->T ? t0 + j->TB : j->T;
-                run_panels(j, 0, j->P_ALL, j->P_ALL, t0, t1);
+            if (by_rows) { /* row block c / PC over its panel chunk c % PC */
+                const int64_t t0 = c / j->PC * j->TB, t1 = t0 + j->TB < j->T ? t0 + j->TB : j->T;
+                const int64_t pc = c % j->PC, p0 = j->P_ALL * pc / j->PC;
+                const int64_t p1 = j->P_ALL * (pc + 1) / j->PC;
+                run_panels(j, p0, p1, pc + 1 < j->PC && c + 1 < first[o + 1] ? p1 + 1 : p1, t0, t1,
+                           amx_thread);
             } else {
                 const int64_t P = j->P_ALL, p0 = P * c / items, p1 = P * (c + 1) / items;
                 const int64_t pf_end = c + 1 < first[o + 1] ? P * (c + 2) / items : p1;
-                run_panels(j, p0, p1, pf_end, 0, j->T);
+                run_panels(j, p0, p1, pf_end, 0, j->T, amx_thread);
             }
         }
     }
+#ifdef DENSE_AMX
+    epilogue_rows(&th.wait, th.wait.rows);
+#endif
 }
 #endif
 
@@ -609,8 +667,19 @@ static int dense_run(void *out, const void *x, const void *packed, const void *b
     if (j.TB < 1) j.TB = 1;
     j.G = GROUP_BYTES / (j.panel * j.es);
     if (j.G < 1) j.G = 1;
-    const int by_rows = M * K * j.es > X_CACHED_BYTES && j.T > j.TB;
-    const int64_t units = by_rows ? (j.T + j.TB - 1) / j.TB : j.P_ALL;
+    const int by_rows = ((j.amx && j.TB >= 3) || M * K * j.es > X_CACHED_BYTES) && j.T > j.TB;
+    int64_t units = j.P_ALL;
+    j.PC = 1;
+    if (by_rows) { /* row blocks of even size; on AMX, each over a chunk of the panels */
+        const int64_t blocks = (j.T + j.TB - 1) / j.TB;
+        j.TB = (j.T + blocks - 1) / blocks;
+        if (j.amx) {
+            const int64_t want = (int64_t)num_threads * ROW_ITEMS;
+            j.PC = blocks >= want ? 1 : (want + blocks - 1) / blocks;
+            if (j.PC > j.P_ALL) j.PC = j.P_ALL;
+        }
+        units = blocks * j.PC;
+    }
     const int nt = (int)(units < num_threads ? units : num_threads);
     const int64_t items = by_rows ? units : (units < nt * CHUNKS ? units : nt * CHUNKS);
     Counter next[nt];
