@@ -197,6 +197,7 @@ static inline __attribute__((always_inline)) void tile_bf16(
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define DENSE_AMX 1
 #define MR_AMX 32 /* rows per tile_amx call: two tiles of up to 16 */
+#define STREAM_BYTES (8 << 20) /* larger outputs of plain products are stored streaming */
 #define KB_AMX 256 /* inputs per k block: a half's 32 channels of them are 16 KB, kept in L1 */
 #define NT_AMX 8   /* whole tiles per panel_amx_blocked call: their sums are 64 KB */
 
@@ -209,7 +210,23 @@ typedef struct {
 /* out[i, 0..ncols) (ncols <= 32) = silu(g) * u for g = c[i, 0..32), u = c[i, 32..64) (row
  * stride 64), with the roundings of the two-step path: g and u rounded to bfloat16 as the
  * product stores them, then as silu_and_mul_cpu (elementwise_cpu.c) does, bit for bit. */
-static void gated_epilogue(const float *c, uint16_t *out, int64_t so, int ncols, int mrc) {
+static void gated_epilogue(const float *c, uint16_t *out, int64_t so, int ncols, int mrc,
+                           int stream) {
+    if (stream && ncols == 32) { /* each row's 32 outputs are one line: streamed */
+        for (int i = 0; i < mrc; i++) {
+            __m256i h[2];
+            for (int j = 0; j < 2; j++) {
+                const vf g = v_round_dt(_mm512_load_ps(c + i * PW + 16 * j), 1);
+                const vf u = v_round_dt(_mm512_load_ps(c + i * PW + 32 + 16 * j), 1);
+                uint16_t y[16] __attribute__((aligned(32)));
+                v_store_dt(y, v_silu_mul(g, u, 1), 1);
+                h[j] = _mm256_load_si256((const __m256i *)y);
+            }
+            _mm512_stream_si512((__m512i *)(out + i * so),
+                                _mm512_inserti64x4(_mm512_castsi256_si512(h[0]), h[1], 1));
+        }
+        return;
+    }
     for (int j = 0; j < 2; j++) {
         const int live = live_cols(ncols, j, 16);
         if (live == 0) continue;
@@ -257,7 +274,7 @@ static void amx_configure(int r0, int r1) {
 #define AMX_AHEAD 8192
 
 static void amx_epilogue(const float *c, uint16_t *out, int64_t so, int ncols, const uint16_t *bias,
-                         int mrc, int gated);
+                         int mrc, int gated, int stream);
 
 /* The epilogue of the tiles a thread finished last (their float32 sums -> out), done a few rows
  * at a time between the next tiles' steps, so that its vector work (gated: SiLU's exp and
@@ -265,28 +282,37 @@ static void amx_epilogue(const float *c, uint16_t *out, int64_t so, int ncols, c
  * epilogue is a quarter of its time (4 layers of the 0.5B gate-up at 2048 rows: 80 ms, 58 with
  * the epilogue taken out): done this way 4% less than after the tiles at 2048 rows, 6% at 128.
  * The tile unit and the vector units do not fully overlap (a loop of four tile products and 16
- * FMAs took 60 cycles against 50 and 27 apart), and reading the sums back, not the SiLU's
- * arithmetic, is most of the cost (the arithmetic taken out: 5% less). Rows in c are PW floats
- * apart, as tile_amx stores them. */
+ * FMAs took 60 cycles against 50 and 27 apart). Most of the epilogue's cost was its stores, not
+ * the SiLU's arithmetic: a row's piece of a panel's output is one or two lines of their own
+ * (rows are the output's width apart), each read for ownership before it is written; the
+ * stores taken out, 4 layers at 128 rows took 5.8 ms against 6.7, the arithmetic taken out 6.3.
+ * So where the output is not read again soon from cache (a gated product's, which the down
+ * projection reads after streaming its weights, and outputs over STREAM_BYTES, the LM head's)
+ * whole lines are stored streaming: gated 128 rows 7.0 -> 6.35 ms, 2048 rows 90 -> 80; the
+ * 0.5B model's decode steps 106 -> 101.5 ms. Streaming the smaller outputs too (qkv, o, down)
+ * made the small kernels that read them next slower (rotary 0.91 -> 1.1 ms a decode step).
+ * Rows in c are PW floats apart, as tile_amx stores them. */
 typedef struct {
     const float *c;
     uint16_t *out;
     const uint16_t *bias;
     int64_t so;
     int ncols, gated, rows, done, per; /* per: rows to do per step */
+    int stream; /* whole lines stored streaming (non-temporal) */
 } Epilogue;
 
 static inline void epilogue_rows(Epilogue *e, int n) {
     const int end = e->done + n < e->rows ? e->done + n : e->rows;
     for (; e->done < end; e->done++)
         amx_epilogue(e->c + (int64_t)e->done * PW, e->out + e->done * e->so, e->so, e->ncols,
-                     e->bias, 1, e->gated);
+                     e->bias, 1, e->gated, e->stream);
 }
 
 /* Per thread: two buffers of tile sums, one being computed, one waiting for its epilogue. */
 typedef struct {
     float sums[2][NT_AMX * MR_AMX * PW] __attribute__((aligned(64)));
     int cur;
+    int stream; /* this product's outputs streamed (Job.stream) */
     Epilogue wait;
 } AmxThread;
 
@@ -295,7 +321,7 @@ static void epilogue_defer(AmxThread *th, uint16_t *out, int64_t so, int ncols,
                            const uint16_t *bias, int rows, int gated, int64_t steps) {
     epilogue_rows(&th->wait, th->wait.rows); /* anything the last tiles' steps left */
     const Epilogue e = {th->sums[th->cur], out, bias, so, ncols, gated, rows, 0,
-                        (int)((rows + steps - 1) / steps)};
+                        (int)((rows + steps - 1) / steps), th->stream};
     th->wait = e;
     th->cur ^= 1;
 }
@@ -362,9 +388,25 @@ static void tile_amx(const uint16_t *x, int64_t sx, int64_t K, const uint16_t *w
 /* A tile's float32 sums c (rows of PW, as tile_amx stores them) -> out: bias added and rounded,
  * or silu(gate) * up where gated. */
 static void amx_epilogue(const float *c, uint16_t *out, int64_t so, int ncols, const uint16_t *bias,
-                         int mrc, int gated) {
+                         int mrc, int gated, int stream) {
     if (gated) { /* out = silu(gate) * up: the first half's channels are gates, the second's ups */
-        gated_epilogue(c, out, so, ncols, mrc);
+        gated_epilogue(c, out, so, ncols, mrc, stream);
+        return;
+    }
+    if (stream && ncols == 64) { /* each row's 64 outputs are two lines: streamed */
+        __m512 b[4];
+        for (int j = 0; j < 4; j++)
+            b[j] = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                              _mm256_loadu_si256((const __m256i *)(bias + 16 * j))), 16))
+                        : _mm512_setzero_ps();
+        for (int i = 0; i < mrc; i++)
+            for (int h = 0; h < 2; h++) {
+                const float *ch = c + i * PW + 32 * h;
+                const __m256i y0 = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(ch), b[2 * h]));
+                const __m256i y1 = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(ch + 16), b[2 * h + 1]));
+                _mm512_stream_si512((__m512i *)(out + i * so + 32 * h),
+                                    _mm512_inserti64x4(_mm512_castsi256_si512(y0), y1, 1));
+            }
         return;
     }
     for (int j = 0; j < 4; j++) {
@@ -537,6 +579,7 @@ typedef struct { /* one product's operands and blocking */
     int64_t mr, ksteps; /* rows per tile; k steps per tile (prefetch pacing) */
     int amx;            /* tiles on AMX (tile_amx) */
     int gated;          /* silu(gate) * up of interleaved gate and up halves: 32 outputs a panel */
+    int stream;         /* AMX: outputs stored streaming (gated, or larger than STREAM_BYTES) */
     int64_t opw;        /* output channels per panel: pw, or pw / 2 when gated */
 } Job;
 
@@ -620,6 +663,7 @@ static void run_share(const Job *j, Counter *next, const int64_t *first, int nt,
 #ifdef DENSE_AMX
     AmxThread th; /* 128 KB of sums on the stack */
     th.cur = 0;
+    th.stream = j->stream;
     th.wait.rows = th.wait.done = 0;
     void *amx_thread = &th;
 #else
@@ -643,6 +687,7 @@ static void run_share(const Job *j, Counter *next, const int64_t *first, int nt,
     }
 #ifdef DENSE_AMX
     epilogue_rows(&th.wait, th.wait.rows);
+    if (th.stream) _mm_sfence(); /* the streamed lines, before other threads read them */
 #endif
 }
 #endif
@@ -667,6 +712,8 @@ static int dense_run(void *out, const void *x, const void *packed, const void *b
         j.amx = 1;
         j.mr = MR_AMX;
         j.ksteps = K / 16; /* 32 inputs a step, in each half */
+        j.stream = (gated || M * N * 2 > STREAM_BYTES) && ((uintptr_t)out & 63) == 0 &&
+                   so * 2 % 64 == 0;
     }
 #endif
     j.T = (M + j.mr - 1) / j.mr;
