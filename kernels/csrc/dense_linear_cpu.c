@@ -70,6 +70,9 @@
 #define X_CACHED_BYTES (12 << 20)  /* larger x: work items are row blocks over all panels */
 #define X_CACHED_AMX (32 << 20)    /* the same on AMX, for inputs too long for row blocks of 3 tiles */
 #define CHUNKS 8 /* work items (runs of panels) per thread */
+#define STREAM_BYTES (8 << 20) /* larger outputs are stored streaming (see Epilogue): on vector
+                                * tiles too, the LM head at 64 rows 73 -> 68.6 ms (AVX-512 float32),
+                                * 114 -> 97 ms (AVX2 float32), dense_ab.py --march */
 #define ROW_ITEMS 4 /* AMX prompts: work items (a row block over a run of panels) per thread, at least */
 #if defined(__AVX512F__)
 #define PW32 64
@@ -149,7 +152,7 @@ static inline int live_cols(int ncols, int j, int width) {
  * rounding; pf: the share of the next panel this tile prefetches. */
 static inline __attribute__((always_inline)) void tile_bf16(
     const uint16_t *x, int64_t sx, int64_t K, const uint16_t *wp, uint16_t *out, int64_t so,
-    int ncols, const uint16_t *bias, Prefetch pf, const int MRC) {
+    int ncols, const uint16_t *bias, Prefetch pf, int stream, const int MRC) {
     __m512 c[MR][4];
     for (int i = 0; i < MRC; i++)
         for (int j = 0; j < 4; j++) c[i][j] = _mm512_setzero_ps();
@@ -184,6 +187,16 @@ static inline __attribute__((always_inline)) void tile_bf16(
                           _mm256_maskz_loadu_epi16(m, bias + 16 * j)), 16))
                     : _mm512_setzero_ps();
     }
+    if (stream && ncols == PW) { /* a row's 64 outputs are two whole lines */
+        for (int i = 0; i < MRC; i++)
+            for (int h = 0; h < 2; h++) {
+                const __m256i y0 = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(c[i][2 * h], b[2 * h]));
+                const __m256i y1 = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(c[i][2 * h + 1], b[2 * h + 1]));
+                _mm512_stream_si512((__m512i *)(out + i * so + 32 * h),
+                                    _mm512_inserti64x4(_mm512_castsi256_si512(y0), y1, 1));
+            }
+        return;
+    }
     for (int i = 0; i < MRC; i++)
         for (int j = 0; j < 4; j++) {
             const int live = live_cols(ncols, j, 16);
@@ -197,7 +210,6 @@ static inline __attribute__((always_inline)) void tile_bf16(
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define DENSE_AMX 1
 #define MR_AMX 32 /* rows per tile_amx call: two tiles of up to 16 */
-#define STREAM_BYTES (8 << 20) /* larger outputs of plain products are stored streaming */
 #define KB_AMX 256 /* inputs per k block: a half's 32 channels of them are 16 KB, kept in L1 */
 #define NT_AMX 8   /* whole tiles per panel_amx_blocked call: their sums are 64 KB */
 
@@ -489,6 +501,7 @@ static inline void acc_store_n(float *p, vacc v, int n) {
     if (n == 16) _mm512_storeu_ps(p, v);
     else if (n > 0) _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), v);
 }
+static inline void acc_stream(float *p, vacc v) { _mm512_stream_ps(p, v); }
 #elif defined(PW32)
 #define NV 2 /* vectors of 8 channels per float32 panel */
 typedef __m256 vacc;
@@ -504,6 +517,7 @@ static inline void acc_store_n(float *p, vacc v, int n) {
     if (n == 8) _mm256_storeu_ps(p, v);
     else if (n > 0) _mm256_maskstore_ps(p, lanes_below(n), v);
 }
+static inline void acc_stream(float *p, vacc v) { _mm256_stream_ps(p, v); }
 #endif
 
 #ifdef PW32
@@ -512,7 +526,7 @@ static inline void acc_store_n(float *p, vacc v, int n) {
 /* One float32 tile, as tile_bf16 with one input per step. */
 static inline __attribute__((always_inline)) void tile_f32(
     const float *x, int64_t sx, int64_t K, const float *wp, float *out, int64_t so, int ncols,
-    const float *bias, Prefetch pf, const int MRC) {
+    const float *bias, Prefetch pf, int stream, const int MRC) {
     vacc c[MR][NV], sum[MR][NV]; /* sums of KC inputs at a time, added up (a shorter chain of
                                    * roundings than one sum over K: F.linear's accuracy) */
     for (int i = 0; i < MRC; i++)
@@ -538,7 +552,10 @@ static inline __attribute__((always_inline)) void tile_f32(
     for (int j = 0; j < NV; j++) {
         const int live = live_cols(ncols, j, VL);
         const vacc b = bias ? acc_load_n(bias + VL * j, live) : acc_zero();
-        for (int i = 0; i < MRC; i++) acc_store_n(out + i * so + VL * j, acc_add(c[i][j], b), live);
+        if (stream && live == VL) /* whole lines: a row's part of a panel is 64 or 256 bytes */
+            for (int i = 0; i < MRC; i++) acc_stream(out + i * so + VL * j, acc_add(c[i][j], b));
+        else
+            for (int i = 0; i < MRC; i++) acc_store_n(out + i * so + VL * j, acc_add(c[i][j], b), live);
     }
 }
 #endif
@@ -546,15 +563,15 @@ static inline __attribute__((always_inline)) void tile_f32(
 #if defined(__AVX512BF16__) || defined(PW32)
 /* Tile t of panel p (a tile of mr rows), for either element type. */
 static void tile_rows(int dtype, const void *x, int64_t sx, int64_t K, const void *wp, void *out,
-                      int64_t so, int ncols, const void *bias, Prefetch pf, int mr) {
+                      int64_t so, int ncols, const void *bias, Prefetch pf, int stream, int mr) {
 #define TILES(fn, T)                                                                           \
     switch (mr) {                                                                              \
-    case 1: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, 1); break; \
-    case 2: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, 2); break; \
-    case 3: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, 3); break; \
-    case 4: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, 4); break; \
-    case 5: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, 5); break; \
-    default: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, 6); break; \
+    case 1: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, stream, 1); break; \
+    case 2: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, stream, 2); break; \
+    case 3: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, stream, 3); break; \
+    case 4: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, stream, 4); break; \
+    case 5: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, stream, 5); break; \
+    default: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, stream, 6); break; \
     }
 #ifdef __AVX512BF16__
     if (dtype == 1) {
@@ -643,7 +660,7 @@ static void run_panels(const Job *j, int64_t p0, int64_t p1, int64_t pf_end, int
                         continue;
                     }
 #endif
-                    tile_rows(j->dtype, xt, j->sx, j->K, wp, ot, j->so, ncols, pb, pf, mr);
+                    tile_rows(j->dtype, xt, j->sx, j->K, wp, ot, j->so, ncols, pb, pf, j->stream, mr);
                 }
             }
         }
@@ -687,8 +704,8 @@ static void run_share(const Job *j, Counter *next, const int64_t *first, int nt,
     }
 #ifdef DENSE_AMX
     epilogue_rows(&th.wait, th.wait.rows);
-    if (th.stream) _mm_sfence(); /* the streamed lines, before other threads read them */
 #endif
+    if (j->stream) _mm_sfence(); /* the streamed lines, before other threads read them */
 }
 #endif
 
@@ -707,13 +724,14 @@ static int dense_run(void *out, const void *x, const void *packed, const void *b
     j.P_ALL = (N + j.opw - 1) / j.opw;
     j.mr = MR;
     j.ksteps = j.steps;
+    const int aligned = ((uintptr_t)out & 63) == 0 && so * j.es % 64 == 0;
+    j.stream = M * N * j.es > STREAM_BYTES && aligned;
 #ifdef DENSE_AMX
     if (amx_layout(dtype, K)) {
         j.amx = 1;
         j.mr = MR_AMX;
         j.ksteps = K / 16; /* 32 inputs a step, in each half */
-        j.stream = (gated || M * N * 2 > STREAM_BYTES) && ((uintptr_t)out & 63) == 0 &&
-                   so * 2 % 64 == 0;
+        j.stream = (gated || M * N * 2 > STREAM_BYTES) && aligned;
     }
 #endif
     j.T = (M + j.mr - 1) / j.mr;
