@@ -596,7 +596,7 @@ typedef struct { /* one product's operands and blocking */
     int64_t mr, ksteps; /* rows per tile; k steps per tile (prefetch pacing) */
     int amx;            /* tiles on AMX (tile_amx) */
     int gated;          /* silu(gate) * up of interleaved gate and up halves: 32 outputs a panel */
-    int stream;         /* AMX: outputs stored streaming (gated, or larger than STREAM_BYTES) */
+    int stream;         /* outputs stored streaming (larger than STREAM_BYTES; AMX: gated too) */
     int64_t opw;        /* output channels per panel: pw, or pw / 2 when gated */
 } Job;
 
