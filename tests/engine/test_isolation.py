@@ -9,7 +9,7 @@ import json
 import math
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from engine import LLM, LLMEngine, SamplingParams
@@ -122,6 +122,7 @@ FIELDS = ["n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "
 @settings(max_examples=150, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(values=st.dictionaries(st.sampled_from(FIELDS), EXTREMES, min_size=1, max_size=3))
+@example(values={"max_tokens": 2 ** 31 - 1, "min_tokens": 2 ** 31 - 1})  # the clamp below
 def test_fuzzed_sampling_params_never_reach_a_step_they_can_break(engine, long_alone, values):
     base = {"max_tokens": 4}
     try:
@@ -132,6 +133,7 @@ def test_fuzzed_sampling_params_never_reach_a_step_they_can_break(engine, long_a
         return
     if params.max_tokens is None or params.max_tokens > 8:
         params.max_tokens = 8  # keep the run short; the values under test are the others
+        params.min_tokens = min(params.min_tokens, 8)  # still valid: add_request checks again
     engine.add_request("long", LONG, LONG_PARAMS)
     engine.add_request("fuzz", [0, 5, 6], params)
     tokens = run_until_idle(engine)
