@@ -98,15 +98,17 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_maskz_scalef_ps(finite, p, k);
 }
 
-/* 16 floats -> 16 bfloat16 (round to nearest even, NaN kept quiet) stored at p. */
-static inline void store16_bf16(void *p, __m512 x) {
+/* 16 floats -> 16 bfloat16 (round to nearest even, NaN kept quiet), and stored at p. */
+static inline __m256i pack16_bf16(__m512 x) {
     const __m512i u = _mm512_castps_si512(x);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
     const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
+    return _mm512_cvtepi32_epi16(r);
 }
+
+static inline void store16_bf16(void *p, __m512 x) { _mm256_storeu_si256((__m256i *)p, pack16_bf16(x)); }
 
 /* 16 fp8 E4M3 values at p as floats (fp8_to_f32 lane-wise). */
 static inline __m512 load16_fp8(const void *p) {

@@ -150,6 +150,11 @@ static inline int live_cols(int ncols, int j, int width) {
 /* One bfloat16 tile: rows x[0..MRC) (row stride sx) times panel wp, written to out (row stride
  * so) for the panel's first `ncols` channels, bias (the panel's part, or NULL) added before
  * rounding; pf: the share of the next panel this tile prefetches. */
+/* 32 bfloat16 (lo, then hi) at p as one whole line, stored streaming (p 64-byte aligned). */
+static inline void stream_line_bf16(uint16_t *p, __m256i lo, __m256i hi) {
+    _mm512_stream_si512((__m512i *)p, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+}
+
 static inline __attribute__((always_inline)) void tile_bf16(
     const uint16_t *x, int64_t sx, int64_t K, const uint16_t *wp, uint16_t *out, int64_t so,
     int ncols, const uint16_t *bias, Prefetch pf, int stream, const int MRC) {
@@ -189,12 +194,10 @@ static inline __attribute__((always_inline)) void tile_bf16(
     }
     if (stream && ncols == PW) { /* a row's 64 outputs are two whole lines */
         for (int i = 0; i < MRC; i++)
-            for (int h = 0; h < 2; h++) {
-                const __m256i y0 = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(c[i][2 * h], b[2 * h]));
-                const __m256i y1 = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(c[i][2 * h + 1], b[2 * h + 1]));
-                _mm512_stream_si512((__m512i *)(out + i * so + 32 * h),
-                                    _mm512_inserti64x4(_mm512_castsi256_si512(y0), y1, 1));
-            }
+            for (int h = 0; h < 2; h++)
+                stream_line_bf16(out + i * so + 32 * h,
+                                 (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(c[i][2 * h], b[2 * h])),
+                                 (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(c[i][2 * h + 1], b[2 * h + 1])));
         return;
     }
     for (int i = 0; i < MRC; i++)
@@ -230,12 +233,9 @@ static void gated_epilogue(const float *c, uint16_t *out, int64_t so, int ncols,
             for (int j = 0; j < 2; j++) {
                 const vf g = v_round_dt(_mm512_load_ps(c + i * PW + 16 * j), 1);
                 const vf u = v_round_dt(_mm512_load_ps(c + i * PW + 32 + 16 * j), 1);
-                uint16_t y[16] __attribute__((aligned(32)));
-                v_store_dt(y, v_silu_mul(g, u, 1), 1);
-                h[j] = _mm256_load_si256((const __m256i *)y);
+                h[j] = pack16_bf16(v_silu_mul(g, u, 1)); /* as v_store_dt rounds */
             }
-            _mm512_stream_si512((__m512i *)(out + i * so),
-                                _mm512_inserti64x4(_mm512_castsi256_si512(h[0]), h[1], 1));
+            stream_line_bf16(out + i * so, h[0], h[1]);
         }
         return;
     }
@@ -313,11 +313,13 @@ typedef struct {
     int stream; /* whole lines stored streaming (non-temporal) */
 } Epilogue;
 
+/* Rows done..done + n: consecutive in c and in out across the tiles of a call. */
 static inline void epilogue_rows(Epilogue *e, int n) {
     const int end = e->done + n < e->rows ? e->done + n : e->rows;
-    for (; e->done < end; e->done++)
+    if (end > e->done)
         amx_epilogue(e->c + (int64_t)e->done * PW, e->out + e->done * e->so, e->so, e->ncols,
-                     e->bias, 1, e->gated, e->stream);
+                     e->bias, end - e->done, e->gated, e->stream);
+    e->done = end;
 }
 
 /* Per thread: two buffers of tile sums, one being computed, one waiting for its epilogue. */
@@ -407,17 +409,13 @@ static void amx_epilogue(const float *c, uint16_t *out, int64_t so, int ncols, c
     }
     if (stream && ncols == 64) { /* each row's 64 outputs are two lines: streamed */
         __m512 b[4];
-        for (int j = 0; j < 4; j++)
-            b[j] = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                              _mm256_loadu_si256((const __m256i *)(bias + 16 * j))), 16))
-                        : _mm512_setzero_ps();
+        for (int j = 0; j < 4; j++) b[j] = bias ? load16(bias + 16 * j, 1) : _mm512_setzero_ps();
         for (int i = 0; i < mrc; i++)
             for (int h = 0; h < 2; h++) {
                 const float *ch = c + i * PW + 32 * h;
-                const __m256i y0 = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(ch), b[2 * h]));
-                const __m256i y1 = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(ch + 16), b[2 * h + 1]));
-                _mm512_stream_si512((__m512i *)(out + i * so + 32 * h),
-                                    _mm512_inserti64x4(_mm512_castsi256_si512(y0), y1, 1));
+                stream_line_bf16(out + i * so + 32 * h,
+                                 (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(ch), b[2 * h])),
+                                 (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(ch + 16), b[2 * h + 1])));
             }
         return;
     }
