@@ -45,6 +45,9 @@
  * tiles: the down projection's 4,864) run one tile at a time over all K, the sums in the tile
  * registers, and keep panels over all rows up to X_CACHED_AMX of x (L3s of AMX parts are large):
  * its 2048 rows as row blocks over all panels took 43 ms for 4 layers, panels over all rows 36.
+ * The float32 vector tiles run three or more whole tiles of a panel k-blocked too
+ * (panel_f32_blocked), and take row blocks over all panels only where a block has at least a
+ * panel's width of rows (else each panel runs over all rows: the AVX-512 down projection).
  *
  * Why not oneDNN (what torch's prepacked linear calls): its products stall on memory. A decode
  * step's weights come from DRAM, and a product that reads a panel from memory for its first
@@ -500,6 +503,7 @@ static inline void acc_store_n(float *p, vacc v, int n) {
     else if (n > 0) _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), v);
 }
 static inline void acc_stream(float *p, vacc v) { _mm512_stream_ps(p, v); }
+static inline void acc_store(float *p, vacc v) { _mm512_storeu_ps(p, v); }
 #elif defined(PW32)
 #define NV 2 /* vectors of 8 channels per float32 panel */
 typedef __m256 vacc;
@@ -516,6 +520,7 @@ static inline void acc_store_n(float *p, vacc v, int n) {
     else if (n > 0) _mm256_maskstore_ps(p, lanes_below(n), v);
 }
 static inline void acc_stream(float *p, vacc v) { _mm256_stream_ps(p, v); }
+static inline void acc_store(float *p, vacc v) { _mm256_storeu_ps(p, v); }
 #endif
 
 #ifdef PW32
@@ -554,6 +559,58 @@ static inline __attribute__((always_inline)) void tile_f32(
             for (int i = 0; i < MRC; i++) acc_stream(out + i * so + VL * j, acc_add(c[i][j], b));
         else
             for (int i = 0; i < MRC; i++) acc_store_n(out + i * so + VL * j, acc_add(c[i][j], b), live);
+    }
+}
+
+#define NT_F32 16 /* whole tiles per panel_f32_blocked call: their sums are 24 KB (AVX-512) */
+/* Steps [k0, k1) (one KC block) of a whole MR-row tile, as tile_f32's: the block's sums are
+ * added to the tile's sums `s` (MR rows of PW32), or, at the last block, with them and the bias
+ * written to out. The same bits as tile_f32. */
+static inline __attribute__((always_inline)) void tile_f32_block(
+    const float *x, int64_t sx, int64_t k0, int64_t k1, const float *wp, float *s, int first,
+    int last, float *out, int64_t so, int ncols, const float *bias, Prefetch *pf, int stream) {
+    vacc c[MR][NV];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NV; j++) c[i][j] = acc_zero();
+    for (int64_t k = k0; k < k1; k++) {
+        vacc w[NV];
+        for (int j = 0; j < NV; j++) w[j] = acc_load(wp + k * PW32 + VL * j);
+        if (pf->left) prefetch_step(pf);
+        for (int i = 0; i < MR; i++) {
+            const float xv = x[i * sx + k];
+            for (int j = 0; j < NV; j++) c[i][j] = acc_fma(c[i][j], xv, w[j]);
+        }
+    }
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NV; j++)
+            c[i][j] = acc_add(first ? acc_zero() : acc_load(s + i * PW32 + VL * j), c[i][j]);
+    if (!last) {
+        for (int i = 0; i < MR; i++)
+            for (int j = 0; j < NV; j++) acc_store(s + i * PW32 + VL * j, c[i][j]);
+        return;
+    }
+    for (int j = 0; j < NV; j++) {
+        const int live = live_cols(ncols, j, VL);
+        const vacc b = bias ? acc_load_n(bias + VL * j, live) : acc_zero();
+        if (stream && live == VL)
+            for (int i = 0; i < MR; i++) acc_stream(out + i * so + VL * j, acc_add(c[i][j], b));
+        else
+            for (int i = 0; i < MR; i++) acc_store_n(out + i * so + VL * j, acc_add(c[i][j], b), live);
+    }
+}
+
+/* nt (<= NT_F32) whole tiles of a panel, k-blocked: for each block of KC inputs, every tile in
+ * turn, so the block's weights (KC * PW32 floats: 32 KB with AVX-512) are read from L1 by all
+ * but the first tile, where tile after tile over all K reads the whole panel from L2 at every
+ * tile (256 bytes a step for 24 FMAs). The sums wait in `s` between blocks. */
+static void panel_f32_blocked(const float *x, int64_t sx, int64_t K, const float *wp, float *out,
+                              int64_t so, int ncols, const float *bias, Prefetch pf, int stream,
+                              int nt, float *s) {
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t k1 = k0 + KC < K ? k0 + KC : K;
+        for (int t = 0; t < nt; t++)
+            tile_f32_block(x + t * MR * sx, sx, k0, k1, wp, s + t * MR * PW32, k0 == 0, k1 == K,
+                           out + t * MR * so, so, ncols, bias, &pf, stream);
     }
 }
 #endif
@@ -634,6 +691,30 @@ static void run_panels(const Job *j, int64_t p0, int64_t p1, int64_t pf_end, int
                         panel_amx_blocked((const uint16_t *)xt, j->sx, j->K, (const uint16_t *)wp,
                                           (uint16_t *)ot, j->so, ncols, (const uint16_t *)pb, pf,
                                           n, j->gated, amx_thread);
+                    }
+                    tstart = b0 + full;
+                }
+#endif
+#ifdef PW32
+                if (!j->amx && j->dtype == 0 && nb >= 3) { /* prompt-sized: whole tiles k-blocked */
+                    const int64_t whole = (j->M - b0 * j->mr) / j->mr;
+                    const int64_t full = whole < nb ? whole : nb;
+                    float s[NT_F32 * MR * PW32];
+                    for (int64_t t = b0; t < b0 + full; t += NT_F32) {
+                        const int n = (int)(b0 + full - t < NT_F32 ? b0 + full - t : NT_F32);
+                        Prefetch pf = {NULL, 0, 0, 0, 1};
+                        if (fetch) { /* these tiles' share of the next panel */
+                            const int64_t a = (t - b0) * j->lines / nb;
+                            const int64_t b = (t - b0 + n) * j->lines / nb;
+                            pf.p = wp + (size_t)(j->panel * j->es + a * 64);
+                            pf.left = pf.lines = b - a;
+                            pf.steps = n * j->ksteps;
+                        }
+                        const char *xt = j->x + (size_t)(t * j->mr * j->sx * j->es);
+                        char *ot = j->out + (size_t)((t * j->mr * j->so + p * opw) * j->es);
+                        panel_f32_blocked((const float *)xt, j->sx, j->K, (const float *)wp,
+                                          (float *)ot, j->so, ncols, (const float *)pb, pf,
+                                          j->stream, n, s);
                     }
                     tstart = b0 + full;
                 }
@@ -740,7 +821,10 @@ static int dense_run(void *out, const void *x, const void *packed, const void *b
     j.G = GROUP_BYTES / (j.panel * j.es);
     if (j.G < 1) j.G = 1;
     const int64_t xbytes = M * K * j.es;
-    const int by_rows = (j.amx ? j.TB >= 3 || xbytes > X_CACHED_AMX : xbytes > X_CACHED_BYTES) &&
+    /* Vector tiles: a row block over all panels reads the weights once per TB * mr rows, a panel
+     * over all rows reads x once per panel width: the one moving less. */
+    const int by_rows = (j.amx ? j.TB >= 3 || xbytes > X_CACHED_AMX
+                               : xbytes > X_CACHED_BYTES && j.TB * j.mr >= j.opw) &&
                         j.T > j.TB;
     int64_t units = j.P_ALL;
     j.PC = 1;

@@ -122,6 +122,8 @@ def test_c_kernels_build_for_every_class_and_match_the_references(isa, monkeypat
         kernel_tests.test_dense_linear_across_row_blocks_and_panel_groups()
         for n, k, rows in [(151, 7, 13), (130, 4864, 29), (100, 33, 301)]:
             kernel_tests.test_dense_float32_linear_is_as_accurate_as_f_linear(n, k, rows)
+        for n, k in [(100, 64), (1152, 896), (64, 4864)]:  # k-blocked tiles: the same bits
+            kernel_tests.test_prompt_sized_products_give_the_bits_of_small_ones(torch.float32, n, k)
     kernel_tests.test_paged_attention_decode_only_and_padding_rows()
     for dtype, block_size in [(torch.float32, 8), (torch.bfloat16, 16)]:  # bfloat16: AMX's tiles
         kernel_tests.test_paged_attention_ignores_cache_outside_the_sequence(dtype)

@@ -355,9 +355,10 @@ def test_dense_linear_across_row_blocks_and_panel_groups():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k", [(100, 64), (1152, 896), (64, 4864)])
 def test_prompt_sized_products_give_the_bits_of_small_ones(dtype, n, k):
-    # a product of many rows runs in other loops than one of a few (on AMX: k-blocked over
-    # several tiles, the sums kept in memory between blocks), but every row's sum runs over
-    # its inputs in the same order: the same bits as the rows taken 32 at a time (one tile)
+    # a product of many rows runs in other loops than one of a few (k-blocked over several
+    # tiles, the sums kept in memory between blocks: on AMX, and the vector tiles' float32),
+    # but every row's sum runs over its inputs in the same order: the same bits as the rows
+    # taken 32 at a time (one AMX tile) and 12 at a time (two vector tiles, not k-blocked)
     if not cpu_gemm.dense_kernel_used(torch.empty(2, 2, dtype=dtype)):
         pytest.skip(f"no C dense kernel for {dtype} on this CPU class")
     torch.manual_seed(n + k)
@@ -365,8 +366,9 @@ def test_prompt_sized_products_give_the_bits_of_small_ones(dtype, n, k):
     x = torch.randn(333, k).to(dtype)
     packed = cpu_gemm.pack(weight)
     whole = cpu_gemm.packed_linear(x, packed, bias)
-    assert torch.equal(whole, torch.cat([cpu_gemm.packed_linear(x[i:i + 32], packed, bias)
-                                         for i in range(0, 333, 32)]))
+    for step in (32, 12):
+        assert torch.equal(whole, torch.cat([cpu_gemm.packed_linear(x[i:i + step], packed, bias)
+                                             for i in range(0, 333, step)]))
     gated = cpu_gemm.pack_gated(torch.cat([weight, weight.flip(0)]))
     if gated is not None:
         whole = cpu_gemm.packed_linear(x, gated, None)
