@@ -710,7 +710,7 @@ static void run_panels(const Job *j, int64_t p0, int64_t p1, int64_t pf_end, int
                 }
 #endif
 #ifdef PW32
-                if (!j->amx && j->dtype == 0 && nb >= 3) { /* prompt-sized: whole tiles k-blocked */
+                if (!j->amx && j->dtype == 0 && nb >= 3) { /* three or more: whole tiles k-blocked */
                     const int64_t whole = (j->M - b0 * j->mr) / j->mr;
                     const int64_t full = whole < nb ? whole : nb;
                     float s[NT_F32 * MR * PW32];

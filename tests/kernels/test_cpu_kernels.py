@@ -334,10 +334,11 @@ def test_dense_float32_linear_is_as_accurate_as_f_linear(n, k, rows):
 
 
 # rows x inputs past the kernel's blocking (dense_linear_cpu.c): several row blocks over each
-# group of panels (inputs of 896), inputs of more than 12 MiB (row blocks over all panels; on
+# group of panels (inputs of 896), inputs of more than 12 MiB (row blocks over all panels where
+# a row block has a panel's width of rows: 1024 inputs with AVX-512 float32, 4864 with AVX2; on
 # AMX, more than 32 MiB), and outputs of more than 8 MiB (stored streaming)
 _BLOCKED = [(1152, 896, 400), (200, 4864, 700), (200, 4864, 1300), (40, 4864, 3500),
-            (80000, 64, 64)]
+            (100, 1024, 3200), (80000, 64, 64)]
 
 
 def test_dense_linear_across_row_blocks_and_panel_groups():
