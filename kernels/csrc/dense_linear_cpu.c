@@ -526,32 +526,35 @@ static inline void acc_store(float *p, vacc v) { _mm256_storeu_ps(p, v); }
 #ifdef PW32
 #define VL (PW32 / NV) /* channels per vector */
 #define KC 128        /* inputs per partial sum */
-/* One float32 tile, as tile_bf16 with one input per step. */
-static inline __attribute__((always_inline)) void tile_f32(
-    const float *x, int64_t sx, int64_t K, const float *wp, float *out, int64_t so, int ncols,
-    const float *bias, Prefetch pf, int stream, const int MRC) {
-    vacc c[MR][NV], sum[MR][NV]; /* sums of KC inputs at a time, added up (a shorter chain of
-                                   * roundings than one sum over K: F.linear's accuracy) */
+/* The sums c of steps [k0, k1) of MRC rows (one KC block at most), from zero; pf: the share of
+ * the next panel to prefetch (to L2), next: lines of this panel's next block (to L1, a line a
+ * step). */
+static inline __attribute__((always_inline)) void f32_block_sums(
+    vacc c[MR][NV], const float *x, int64_t sx, int64_t k0, int64_t k1, const float *wp,
+    Prefetch *pf, Prefetch *next, const int MRC) {
     for (int i = 0; i < MRC; i++)
-        for (int j = 0; j < NV; j++) sum[i][j] = acc_zero();
-    for (int64_t k0 = 0; k0 < K; k0 += KC) {
-        const int64_t k1 = k0 + KC < K ? k0 + KC : K;
-        for (int i = 0; i < MRC; i++)
-            for (int j = 0; j < NV; j++) c[i][j] = acc_zero();
-        for (int64_t k = k0; k < k1; k++) {
-            vacc w[NV];
-            for (int j = 0; j < NV; j++) w[j] = acc_load(wp + k * PW32 + VL * j);
-            if (pf.left) prefetch_step(&pf);
-            for (int i = 0; i < MRC; i++) {
-                const float xv = x[i * sx + k];
-                for (int j = 0; j < NV; j++) c[i][j] = acc_fma(c[i][j], xv, w[j]);
-            }
+        for (int j = 0; j < NV; j++) c[i][j] = acc_zero();
+    for (int64_t k = k0; k < k1; k++) {
+        vacc w[NV];
+        for (int j = 0; j < NV; j++) w[j] = acc_load(wp + k * PW32 + VL * j);
+        if (pf->left) prefetch_step(pf);
+        if (next->left) {
+            _mm_prefetch(next->p, _MM_HINT_T0);
+            next->p += 64;
+            next->left--;
         }
-        for (int i = 0; i < MRC; i++)
-            for (int j = 0; j < NV; j++) sum[i][j] = acc_add(sum[i][j], c[i][j]);
+        for (int i = 0; i < MRC; i++) {
+            const float xv = x[i * sx + k];
+            for (int j = 0; j < NV; j++) c[i][j] = acc_fma(c[i][j], xv, w[j]);
+        }
     }
-    for (int i = 0; i < MRC; i++)
-        for (int j = 0; j < NV; j++) c[i][j] = sum[i][j];
+}
+
+/* Sums c plus the bias (the panel's part, or NULL) written to MRC rows of out, the panel's first
+ * ncols channels. */
+static inline __attribute__((always_inline)) void f32_write(
+    vacc c[MR][NV], float *out, int64_t so, int ncols, const float *bias, int stream,
+    const int MRC) {
     for (int j = 0; j < NV; j++) {
         const int live = live_cols(ncols, j, VL);
         const vacc b = bias ? acc_load_n(bias + VL * j, live) : acc_zero();
@@ -560,6 +563,23 @@ static inline __attribute__((always_inline)) void tile_f32(
         else
             for (int i = 0; i < MRC; i++) acc_store_n(out + i * so + VL * j, acc_add(c[i][j], b), live);
     }
+}
+
+/* One float32 tile, as tile_bf16 with one input per step. */
+static inline __attribute__((always_inline)) void tile_f32(
+    const float *x, int64_t sx, int64_t K, const float *wp, float *out, int64_t so, int ncols,
+    const float *bias, Prefetch pf, int stream, const int MRC) {
+    vacc c[MR][NV], sum[MR][NV]; /* sums of KC inputs at a time, added up (a shorter chain of
+                                   * roundings than one sum over K: F.linear's accuracy) */
+    Prefetch none = {NULL, 0, 0, 0, 1};
+    for (int i = 0; i < MRC; i++)
+        for (int j = 0; j < NV; j++) sum[i][j] = acc_zero();
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        f32_block_sums(c, x, sx, k0, k0 + KC < K ? k0 + KC : K, wp, &pf, &none, MRC);
+        for (int i = 0; i < MRC; i++)
+            for (int j = 0; j < NV; j++) sum[i][j] = acc_add(sum[i][j], c[i][j]);
+    }
+    f32_write(sum, out, so, ncols, bias, stream, MRC);
 }
 
 #define NT_F32 16 /* whole tiles per panel_f32_blocked call: their sums are 24 KB (AVX-512) */
@@ -572,22 +592,7 @@ static inline __attribute__((always_inline)) void tile_f32_block(
     int last, float *out, int64_t so, int ncols, const float *bias, Prefetch *pf, int stream,
     Prefetch *next) {
     vacc c[MR][NV];
-    for (int i = 0; i < MR; i++)
-        for (int j = 0; j < NV; j++) c[i][j] = acc_zero();
-    for (int64_t k = k0; k < k1; k++) {
-        vacc w[NV];
-        for (int j = 0; j < NV; j++) w[j] = acc_load(wp + k * PW32 + VL * j);
-        if (pf->left) prefetch_step(pf);
-        if (next->left) { /* one line a step */
-            _mm_prefetch(next->p, _MM_HINT_T0);
-            next->p += 64;
-            next->left--;
-        }
-        for (int i = 0; i < MR; i++) {
-            const float xv = x[i * sx + k];
-            for (int j = 0; j < NV; j++) c[i][j] = acc_fma(c[i][j], xv, w[j]);
-        }
-    }
+    f32_block_sums(c, x, sx, k0, k1, wp, pf, next, MR);
     for (int i = 0; i < MR; i++)
         for (int j = 0; j < NV; j++)
             c[i][j] = acc_add(first ? acc_zero() : acc_load(s + i * PW32 + VL * j), c[i][j]);
@@ -596,14 +601,7 @@ static inline __attribute__((always_inline)) void tile_f32_block(
             for (int j = 0; j < NV; j++) acc_store(s + i * PW32 + VL * j, c[i][j]);
         return;
     }
-    for (int j = 0; j < NV; j++) {
-        const int live = live_cols(ncols, j, VL);
-        const vacc b = bias ? acc_load_n(bias + VL * j, live) : acc_zero();
-        if (stream && live == VL)
-            for (int i = 0; i < MR; i++) acc_stream(out + i * so + VL * j, acc_add(c[i][j], b));
-        else
-            for (int i = 0; i < MR; i++) acc_store_n(out + i * so + VL * j, acc_add(c[i][j], b), live);
-    }
+    f32_write(c, out, so, ncols, bias, stream, MR);
 }
 
 /* nt (<= NT_F32) whole tiles of a panel, k-blocked: for each block of KC inputs, every tile in
