@@ -73,6 +73,26 @@ def test_paged_attention_decode_only_and_padding_rows():
     assert torch.equal(out[:3], got) and not out[3:].any()
 
 
+@pytest.mark.parametrize("heads,head_size", [((14, 2), 64), ((8, 2), 128), ((4, 4), 64),
+                                             ((3, 3), 64), ((6, 2), 32)])
+def test_paged_attention_kv_heads_alone_give_the_same_bits(heads, head_size):
+    """Each kv head's output is its own: the batch run with one kv head (and its group of
+    query heads) at a time gives the same bits. On AMX the decode rows' kv heads share tiles
+    (two of a group of 7, up to four of 64 dims), the prompt rows' do not."""
+    hq, hk = heads
+    group = hq // hk
+    batch = build_paged_batch([300, 17, 64, 45], [1, 1, 1, 30], hq, hk, head_size=head_size,
+                              block_size=16, dtype=torch.bfloat16)
+    k, v = batch.k_cache.contiguous(), batch.v_cache.contiguous()
+    rest = (batch.block_tables, batch.seq_lens, batch.query_start_loc, 0.125)
+    got = cpu.paged_attention(batch.query, k, v, *rest)
+    for h in range(hk):
+        q_h = batch.query[:, h * group:(h + 1) * group].contiguous()
+        alone = cpu.paged_attention(q_h, k[:, :, h:h + 1].contiguous(),
+                                    v[:, :, h:h + 1].contiguous(), *rest)
+        assert torch.equal(alone, got[:, h * group:(h + 1) * group])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_attention_ignores_cache_outside_the_sequence(dtype):
     """Keys past a sequence's length (stale data, even NaN) never reach its output."""
