@@ -126,12 +126,6 @@ static void pair_values(AmxScratch *w, const char *vb, int n, size_t row, int D)
     }
 }
 
-/* Share i of `parts` of the `lines` cache lines from p, asked for to L2. */
-static inline void prefetch_share(const char *p, int lines, int i, int parts) {
-    for (int l = lines * i / parts; l < lines * (i + 1) / parts; l++)
-        __builtin_prefetch(p + 64 * (size_t)l, 0, 1);
-}
-
 /* Bytes from a [T, Hq, D] bfloat16 tensor (row stride `stride` elements) to row t, head h. */
 static inline size_t vec_offset(int64_t t, int h, int D, int64_t stride) {
     return ((size_t)t * (size_t)stride + (size_t)h * D) * 2;

@@ -315,6 +315,14 @@ static inline void prefetch_block(const char *p, size_t bytes) {
     for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 1);
 }
 
+/* Share i of `parts` of the `lines` cache lines from p, asked for to L2: a block's prefetch
+ * spread over the work before it is needed. Asked all at once, a block's lines queue behind one
+ * another and hold up the loads of the work in hand. */
+static inline void prefetch_share(const char *p, int lines, int i, int parts) {
+    for (int l = lines * i / parts; l < lines * (i + 1) / parts; l++)
+        __builtin_prefetch(p + 64 * (size_t)l, 0, 1);
+}
+
 #ifdef VF
 /* silu(g) * u in each lane, silu(g) rounded to the element type before the product (as torch's
  * two ops round): silu_and_mul_cpu's arithmetic, shared with the fused gate-up product. */

@@ -308,7 +308,10 @@ static void qk_group(const __m512i *kt, const uint32_t *q, int P, float *s, int 
  * (qk_group, qk_group_f32), the softmax on that vector, and values accumulated with HG heads'
  * accumulators held in registers. On CPUs with AVX512-BF16, bfloat16 scores and values go through
  * dot-product instructions on the cached rows as they are (an fp8 cache's chunk converted to
- * bfloat16 first, once per kv head); float32 caches are read in place. */
+ * bfloat16 first, once per kv head); float32 caches are read in place. The next block's lines
+ * are asked for a share at each chunk and kv head (prefetch_share): 64 rows of 340 keys, 14
+ * query and 2 kv heads of 64, 24 layers from memory, float32 44.6 -> 42.4 ms (skylake-avx512
+ * build), bfloat16 32.0 -> 30.0 (cooperlake). */
 static inline __attribute__((always_inline)) void attend_row_dc(
     const Item *it, Scratch *w, void *out, const void *query, const char *k_cache,
     const char *v_cache, const int32_t *table, int64_t pos, int num_q_heads, int num_kv_heads,
@@ -342,10 +345,12 @@ static inline __attribute__((always_inline)) void attend_row_dc(
     for (int64_t j = first / block_size; j < jend; j++) {
         const int64_t blk = table[j];
         if (blk < 0) continue;
-        if (j + PF_BLOCKS - 1 < jend && table[j + PF_BLOCKS - 1] >= 0) {
-            prefetch_block(k_cache + (size_t)table[j + PF_BLOCKS - 1] * block_bytes, block_bytes);
-            prefetch_block(v_cache + (size_t)table[j + PF_BLOCKS - 1] * block_bytes, block_bytes);
-        }
+        /* block j + PF_BLOCKS - 1, asked for a share at each chunk and kv head of this one */
+        const int pf = j + PF_BLOCKS - 1 < jend && table[j + PF_BLOCKS - 1] >= 0;
+        const char *knext = pf ? k_cache + (size_t)table[j + PF_BLOCKS - 1] * block_bytes : NULL;
+        const char *vnext = pf ? v_cache + (size_t)table[j + PF_BLOCKS - 1] * block_bytes : NULL;
+        const int nk = it->kvh1 - it->kvh0, parts = (block_size + 15) / 16 * nk;
+        const int lines = (int)(block_bytes / 64);
         for (int c0 = 0; c0 < block_size; c0 += 16) {
             const int64_t key0 = j * block_size + c0;
             if (key0 >= kv_len) break;
@@ -355,6 +360,10 @@ static inline __attribute__((always_inline)) void attend_row_dc(
             const int skip = first > key0 ? (int)(first - key0) : 0; /* keys before the window */
             const __mmask16 live = (__mmask16)((n == 16 ? 0xffffu : (1u << n) - 1) & ~((1u << skip) - 1));
             for (int kvh = it->kvh0; kvh < it->kvh1; kvh++) {
+                if (knext) {
+                    prefetch_share(knext, lines, c0 / 16 * nk + kvh - it->kvh0, parts);
+                    prefetch_share(vnext, lines, c0 / 16 * nk + kvh - it->kvh0, parts);
+                }
                 const size_t base = ((size_t)blk * block_stride + (size_t)c0 * token_stride + (size_t)kvh * D) * kes;
                 const char *kb = k_cache + base, *vb = v_cache + base;
                 size_t kv_row = (size_t)token_stride * kes; /* bytes from one key to the next */

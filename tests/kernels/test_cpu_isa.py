@@ -125,6 +125,8 @@ def test_c_kernels_build_for_every_class_and_match_the_references(isa, monkeypat
         for n, k in [(100, 64), (1152, 896), (64, 4864)]:  # k-blocked tiles: the same bits
             kernel_tests.test_prompt_sized_products_give_the_bits_of_small_ones(torch.float32, n, k)
     kernel_tests.test_paged_attention_decode_only_and_padding_rows()
+    for heads, head_size in [((14, 2), 64), ((8, 2), 128), ((3, 3), 64)]:  # AMX: shared tiles
+        kernel_tests.test_paged_attention_kv_heads_alone_give_the_same_bits(heads, head_size)
     for dtype, block_size in [(torch.float32, 8), (torch.bfloat16, 16)]:  # bfloat16: AMX's tiles
         kernel_tests.test_paged_attention_ignores_cache_outside_the_sequence(dtype)
         kernel_tests.test_paged_attention_reads_nothing_before_the_window(dtype, block_size)
