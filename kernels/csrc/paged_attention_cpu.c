@@ -99,6 +99,15 @@ typedef void (*attend_fn)(const Item *it, Scratch *w, void *out, const void *que
                           int64_t out_stride_t, float scale, int window, float softcap,
                           int dtype, int kv_dtype);
 
+/* One kv head's rows of a cache block (`rows` of `bytes`, `stride` apart), keys and values. */
+static inline void prefetch_head_rows(const char *k, const char *v, int rows, size_t stride,
+                                      size_t bytes) {
+    for (int t = 0; t < rows; t++) {
+        prefetch_block(k + (size_t)t * stride, bytes);
+        prefetch_block(v + (size_t)t * stride, bytes);
+    }
+}
+
 /* One item: rows row0..row0+nrows-1 (positions pos0.. consecutive) of sequence `seq`, kv heads
  * kvh0..kvh1-1. The general path in plain C, for what the AVX-512 paths below do not take
  * (head sizes not a multiple of 16, CPUs without AVX-512). */
@@ -565,10 +574,8 @@ static void attend_tile_qvec(const Item *it, Scratch *w, void *out, const void *
                  * heads of 64, 64 rows of 340 keys, 24 layers from memory) float32 63 -> 47 ms,
                  * bfloat16 42.7 -> 38.3; prompts' tiles the same */
                 const size_t nb = ((size_t)table[jb + 1] * block_stride + (size_t)kvh * D) * kes;
-                for (int t = 0; t < block_size; t++) {
-                    prefetch_block(k_cache + nb + (size_t)t * token_stride * kes, (size_t)D * kes);
-                    prefetch_block(v_cache + nb + (size_t)t * token_stride * kes, (size_t)D * kes);
-                }
+                prefetch_head_rows(k_cache + nb, v_cache + nb, block_size, token_stride * kes,
+                                   (size_t)D * kes);
             }
             for (int c0 = 0; c0 < block_size; c0 += CHUNK) {
                 const int64_t key0 = jb * block_size + c0;
@@ -716,10 +723,8 @@ static void attend_row_avx2(const Item *it, Scratch *w, void *out, const void *q
             if (p0 % block_size == 0 && jb + 1 < max_blocks && table[jb + 1] >= 0 &&
                 (jb + 1) * block_size < kv_len) { /* the next block's rows of this kv head */
                 const size_t nb = ((size_t)table[jb + 1] * block_stride + (size_t)kvh * D) * kes;
-                for (int t = 0; t < block_size; t++) {
-                    prefetch_block(k_cache + nb + (size_t)t * token_stride * kes, (size_t)D * kes);
-                    prefetch_block(v_cache + nb + (size_t)t * token_stride * kes, (size_t)D * kes);
-                }
+                prefetch_head_rows(k_cache + nb, v_cache + nb, block_size, token_stride * kes,
+                                   (size_t)D * kes);
             }
             const size_t off = ((size_t)blk * block_stride + (size_t)(p0 % block_size) * token_stride
                                 + (size_t)kvh * D) * kes;
