@@ -583,6 +583,20 @@ static inline __attribute__((always_inline)) void tile_f32(
 }
 
 #define NT_F32 16 /* whole tiles per panel_f32_blocked call: their sums are 24 KB (AVX-512) */
+/* Whether float32 tiles run k-blocked at all. Not in builds for AMD's Zen cores (gcc names the
+ * core for -march=native: __znver3__ on Zen 3 and, with gcc 12, on Zen 4): their L2 feeds tile
+ * after tile over all K, and the blocks' extra passes cost more than they save. Zen 4, 0.5B
+ * shapes, 2 threads, builds alternating (dense_ab.py): AVX-512 (native) 2048 rows 583 -> 558 ms
+ * (219 GFLOP/s, about oneDNN's), 64 rows 56.2 -> 53.8, 29 rows 25.9 -> 24.6; AVX2 (-march=znver3,
+ * Zen 3's build) 2048 rows 593 -> 588, 29 rows 26.6 -> 25.2. The same bits either way. The
+ * class-capped builds (-march=haswell, skylake-avx512, ...) name no core and keep the blocks, as
+ * do Intel's (the Xeon's AVX-512 build: 945 -> 799 ms with them, below). */
+#if defined(__znver1__) || defined(__znver2__) || defined(__znver3__) || defined(__znver4__) || \
+    defined(__znver5__)
+#define F32_KBLOCKS 0
+#else
+#define F32_KBLOCKS 1
+#endif
 /* Steps [k0, k1) (one KC block) of a whole MR-row tile, as tile_f32's: the block's sums are
  * added to the tile's sums `s` (MR rows of PW32), or, at the last block, with them and the bias
  * written to out. The same bits as tile_f32. `next`: lines of the panel's next block to ask for
@@ -738,7 +752,7 @@ static void run_panels(const Job *j, int64_t p0, int64_t p1, int64_t pf_end, int
                 }
 #endif
 #ifdef PW32
-                if (!j->amx && j->dtype == 0 && nb >= 3) { /* three or more: whole tiles k-blocked */
+                if (F32_KBLOCKS && !j->amx && j->dtype == 0 && nb >= 3) { /* three or more: k-blocked */
                     const int64_t whole = (j->M - b0 * j->mr) / j->mr;
                     const int64_t full = whole < nb ? whole : nb;
                     float s[NT_F32 * MR * PW32];
