@@ -104,17 +104,18 @@ def pack(weight: torch.Tensor) -> Packed:
 def pack_gated(weight: torch.Tensor) -> DensePacked | None:
     """A gate-up weight [2n, k] (gate rows, then up rows) -> the C kernel's fused form, whose
     product is SiLU-and-multiply of the two (``silu(gate) * up``, [M, n]) in one pass; None where
-    the kernel has no fused product for it (AMX tiles, bfloat16, k a multiple of 32)."""
+    the kernel has no fused product for it (no C dense kernel for the dtype on this CPU class)."""
     two_n, k = weight.shape
     if two_n % 2 or not packing_supported(weight) or not dense_kernel_used(weight):
         return None
-    if not cpu_kernels.call("dense_gated_supported_cpu", cpu_kernels.DTYPES[weight.dtype], k):
+    half = cpu_kernels.call("dense_gated_supported_cpu", cpu_kernels.DTYPES[weight.dtype], k)
+    if not half:
         return None
     n = two_n // 2
-    blocks = -(-n // 32)
-    parts = weight.detach().new_zeros(2, blocks * 32, k)  # gate, up; padded to blocks of 32
+    blocks = -(-n // half)
+    parts = weight.detach().new_zeros(2, blocks * half, k)  # gate, up; padded to blocks of half
     parts[0, :n], parts[1, :n] = weight[:n], weight[n:]
-    interleaved = parts.view(2, blocks, 32, k).transpose(0, 1).reshape(blocks * 64, k)
+    interleaved = parts.view(2, blocks, half, k).transpose(0, 1).reshape(blocks * 2 * half, k)
     dense = pack(interleaved)
     assert isinstance(dense, DensePacked)
     return DensePacked(dense.data, n, k, gated=True)

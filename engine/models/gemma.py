@@ -59,6 +59,7 @@ class GemmaMLP(LlamaMLP):
     def __init__(self, cfg: HFConfig):
         super().__init__(cfg)
         self.act = GeluAndMul()  # type: ignore[assignment]
+        self.gate_up_proj.gated_silu = False  # the C kernel's fused product applies SiLU only
 
 
 class GemmaDecoderLayer(nn.Module):

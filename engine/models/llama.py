@@ -60,7 +60,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         size = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size])
-        self.gate_up_proj.gated_silu = True  # on AMX the product applies the activation
+        self.gate_up_proj.gated_silu = True  # the C dense kernel may apply the activation
         self.down_proj = RowParallelLinear(size, cfg.hidden_size)
         self.act = SiluAndMul()
 

@@ -149,18 +149,63 @@ static inline int live_cols(int ncols, int j, int width) {
 }
 #endif
 
+#if defined(__AVX512BF16__) || defined(PW32)
+/* silu(g) * u of one channel as silu_and_mul_cpu's scalar tail computes it. */
+static inline float silu_mul_tail(float g, float u, int dtype) {
+    return round_to(g / (1.0f + expf(-g)), dtype) * u;
+}
+#endif
+
 #ifdef __AVX512BF16__
-/* One bfloat16 tile: rows x[0..MRC) (row stride sx) times panel wp, written to out (row stride
- * so) for the panel's first `ncols` channels, bias (the panel's part, or NULL) added before
- * rounding; pf: the share of the next panel this tile prefetches. */
 /* 32 bfloat16 (lo, then hi) at p as one whole line, stored streaming (p 64-byte aligned). */
 static inline void stream_line_bf16(uint16_t *p, __m256i lo, __m256i hi) {
     _mm512_stream_si512((__m512i *)p, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
 }
 
+/* out[i, 0..ncols) (ncols <= 32) = silu(g) * u for g = c[i, 0..32), u = c[i, 32..64) (row
+ * stride 64), with the roundings of the two-step path: g and u rounded to bfloat16 as the
+ * product stores them, then as silu_and_mul_cpu (elementwise_cpu.c) does, bit for bit (a
+ * vector of fewer than 16 channels is the last of the row, which silu_and_mul_cpu does one by
+ * one: silu_mul_tail). The AMX tiles' epilogue and the vector tiles' (tile_bf16). */
+static void gated_epilogue(const float *c, uint16_t *out, int64_t so, int ncols, int mrc,
+                           int stream) {
+    if (stream && ncols == 32) { /* each row's 32 outputs are one line: streamed */
+        for (int i = 0; i < mrc; i++) {
+            __m256i h[2];
+            for (int j = 0; j < 2; j++) {
+                const vf g = v_round_dt(_mm512_load_ps(c + i * PW + 16 * j), 1);
+                const vf u = v_round_dt(_mm512_load_ps(c + i * PW + 32 + 16 * j), 1);
+                h[j] = pack16_bf16(v_silu_mul(g, u, 1)); /* as v_store_dt rounds */
+            }
+            stream_line_bf16(out + i * so, h[0], h[1]);
+        }
+        return;
+    }
+    for (int j = 0; j < 2; j++) {
+        const int live = live_cols(ncols, j, 16);
+        if (live == 0) continue;
+        for (int i = 0; i < mrc; i++) {
+            const vf g = v_round_dt(_mm512_load_ps(c + i * PW + 16 * j), 1);
+            const vf u = v_round_dt(_mm512_load_ps(c + i * PW + 32 + 16 * j), 1);
+            if (live == 16) {
+                v_store_dt(out + i * so + 16 * j, v_silu_mul(g, u, 1), 1);
+                continue;
+            }
+            float gs[16], us[16];
+            v_store(gs, g);
+            v_store(us, u);
+            for (int l = 0; l < live; l++) out[i * so + 16 * j + l] = f32_to_bf16(silu_mul_tail(gs[l], us[l], 1));
+        }
+    }
+}
+
+/* One bfloat16 tile: rows x[0..MRC) (row stride sx) times panel wp, written to out (row stride
+ * so) for the panel's first `ncols` channels, bias (the panel's part, or NULL) added before
+ * rounding; pf: the share of the next panel this tile prefetches. `gated`: the panel is 32
+ * channels' gate rows then their up rows, and out gets silu(gate) * up (gated_epilogue). */
 static inline __attribute__((always_inline)) void tile_bf16(
     const uint16_t *x, int64_t sx, int64_t K, const uint16_t *wp, uint16_t *out, int64_t so,
-    int ncols, const uint16_t *bias, Prefetch pf, int stream, const int MRC) {
+    int ncols, const uint16_t *bias, Prefetch pf, int stream, int gated, const int MRC) {
     __m512 c[MR][4];
     for (int i = 0; i < MRC; i++)
         for (int j = 0; j < 4; j++) c[i][j] = _mm512_setzero_ps();
@@ -187,6 +232,13 @@ static inline __attribute__((always_inline)) void tile_bf16(
             for (int j = 0; j < 4; j++)
                 c[i][j] = _mm512_dpbf16_ps(c[i][j], xb, (__m512bh)_mm512_loadu_si512(wv + j));
         }
+    }
+    if (gated) { /* no bias */
+        float cs[MR * PW] __attribute__((aligned(64)));
+        for (int i = 0; i < MRC; i++)
+            for (int j = 0; j < 4; j++) _mm512_store_ps(cs + i * PW + 16 * j, c[i][j]);
+        gated_epilogue(cs, out, so, ncols, MRC, stream);
+        return;
     }
     __m512 b[4];
     for (int j = 0; j < 4; j++) {
@@ -224,41 +276,6 @@ typedef struct {
     uint16_t colsb[16];
     uint8_t rows[16];
 } DenseTileConfig;
-
-/* out[i, 0..ncols) (ncols <= 32) = silu(g) * u for g = c[i, 0..32), u = c[i, 32..64) (row
- * stride 64), with the roundings of the two-step path: g and u rounded to bfloat16 as the
- * product stores them, then as silu_and_mul_cpu (elementwise_cpu.c) does, bit for bit. */
-static void gated_epilogue(const float *c, uint16_t *out, int64_t so, int ncols, int mrc,
-                           int stream) {
-    if (stream && ncols == 32) { /* each row's 32 outputs are one line: streamed */
-        for (int i = 0; i < mrc; i++) {
-            __m256i h[2];
-            for (int j = 0; j < 2; j++) {
-                const vf g = v_round_dt(_mm512_load_ps(c + i * PW + 16 * j), 1);
-                const vf u = v_round_dt(_mm512_load_ps(c + i * PW + 32 + 16 * j), 1);
-                h[j] = pack16_bf16(v_silu_mul(g, u, 1)); /* as v_store_dt rounds */
-            }
-            stream_line_bf16(out + i * so, h[0], h[1]);
-        }
-        return;
-    }
-    for (int j = 0; j < 2; j++) {
-        const int live = live_cols(ncols, j, 16);
-        if (live == 0) continue;
-        for (int i = 0; i < mrc; i++) {
-            const vf g = v_round_dt(_mm512_load_ps(c + i * PW + 16 * j), 1);
-            const vf u = v_round_dt(_mm512_load_ps(c + i * PW + 32 + 16 * j), 1);
-            const vf r = v_silu_mul(g, u, 1);
-            if (live == 16) {
-                v_store_dt(out + i * so + 16 * j, r, 1);
-            } else {
-                uint16_t tmp[16];
-                v_store_dt(tmp, r, 1);
-                for (int l = 0; l < live; l++) out[i * so + 16 * j + l] = tmp[l];
-            }
-        }
-    }
-}
 
 /* The tile registers for two row tiles of r0 and r1 rows (r1 may be 0): sums 0-3, rows 4-5,
  * weights 6-7. */
@@ -551,10 +568,33 @@ static inline __attribute__((always_inline)) void f32_block_sums(
 }
 
 /* Sums c plus the bias (the panel's part, or NULL) written to MRC rows of out, the panel's first
- * ncols channels. */
+ * ncols channels. `gated`: the panel's first half is gates, its second the same channels' ups,
+ * and out gets silu(gate) * up (no bias; ncols <= PW32 / 2) as the product's store and
+ * silu_and_mul_cpu make it, bit for bit: a vector of fewer than VL channels is the row's last,
+ * which silu_and_mul_cpu does one by one. */
 static inline __attribute__((always_inline)) void f32_write(
-    vacc c[MR][NV], float *out, int64_t so, int ncols, const float *bias, int stream,
+    vacc c[MR][NV], float *out, int64_t so, int ncols, const float *bias, int stream, int gated,
     const int MRC) {
+    if (gated) {
+        for (int j = 0; j < NV / 2; j++) {
+            const int live = live_cols(ncols, j, VL);
+            for (int i = 0; i < MRC && live > 0; i++) {
+                /* + 0 as the product's store adds a missing bias: -0 sums are stored as +0 */
+                const vacc g = acc_add(c[i][j], acc_zero()), u = acc_add(c[i][j + NV / 2], acc_zero());
+                if (live == VL) {
+                    const vacc r = v_silu_mul(g, u, 0);
+                    if (stream) acc_stream(out + i * so + VL * j, r);
+                    else acc_store(out + i * so + VL * j, r);
+                    continue;
+                }
+                float gs[VL], us[VL];
+                acc_store(gs, g);
+                acc_store(us, u);
+                for (int l = 0; l < live; l++) out[i * so + VL * j + l] = silu_mul_tail(gs[l], us[l], 0);
+            }
+        }
+        return;
+    }
     for (int j = 0; j < NV; j++) {
         const int live = live_cols(ncols, j, VL);
         const vacc b = bias ? acc_load_n(bias + VL * j, live) : acc_zero();
@@ -568,7 +608,7 @@ static inline __attribute__((always_inline)) void f32_write(
 /* One float32 tile, as tile_bf16 with one input per step. */
 static inline __attribute__((always_inline)) void tile_f32(
     const float *x, int64_t sx, int64_t K, const float *wp, float *out, int64_t so, int ncols,
-    const float *bias, Prefetch pf, int stream, const int MRC) {
+    const float *bias, Prefetch pf, int stream, int gated, const int MRC) {
     vacc c[MR][NV], sum[MR][NV]; /* sums of KC inputs at a time, added up (a shorter chain of
                                    * roundings than one sum over K: F.linear's accuracy) */
     Prefetch none = {NULL, 0, 0, 0, 1};
@@ -579,7 +619,7 @@ static inline __attribute__((always_inline)) void tile_f32(
         for (int i = 0; i < MRC; i++)
             for (int j = 0; j < NV; j++) sum[i][j] = acc_add(sum[i][j], c[i][j]);
     }
-    f32_write(sum, out, so, ncols, bias, stream, MRC);
+    f32_write(sum, out, so, ncols, bias, stream, gated, MRC);
 }
 
 #define NT_F32 16 /* whole tiles per panel_f32_blocked call: their sums are 24 KB (AVX-512) */
@@ -604,7 +644,7 @@ static inline __attribute__((always_inline)) void tile_f32(
 static inline __attribute__((always_inline)) void tile_f32_block(
     const float *x, int64_t sx, int64_t k0, int64_t k1, const float *wp, float *s, int first,
     int last, float *out, int64_t so, int ncols, const float *bias, Prefetch *pf, int stream,
-    Prefetch *next) {
+    int gated, Prefetch *next) {
     vacc c[MR][NV];
     f32_block_sums(c, x, sx, k0, k1, wp, pf, next, MR);
     for (int i = 0; i < MR; i++)
@@ -615,7 +655,7 @@ static inline __attribute__((always_inline)) void tile_f32_block(
             for (int j = 0; j < NV; j++) acc_store(s + i * PW32 + VL * j, c[i][j]);
         return;
     }
-    f32_write(c, out, so, ncols, bias, stream, MR);
+    f32_write(c, out, so, ncols, bias, stream, gated, MR);
 }
 
 /* nt (<= NT_F32) whole tiles of a panel, k-blocked: for each block of KC inputs, every tile in
@@ -628,7 +668,7 @@ static inline __attribute__((always_inline)) void tile_f32_block(
  * (8 KB blocks): no gain at 29 rows, 5% slower at 512 (dense_ab.py). */
 static void panel_f32_blocked(const float *x, int64_t sx, int64_t K, const float *wp, float *out,
                               int64_t so, int ncols, const float *bias, Prefetch pf, int stream,
-                              int nt, float *s) {
+                              int gated, int nt, float *s) {
     const int ahead = PW32 == 64 && nt * MR <= 64;
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t k1 = k0 + KC < K ? k0 + KC : K, k2 = k1 + KC < K ? k1 + KC : K;
@@ -636,7 +676,7 @@ static void panel_f32_blocked(const float *x, int64_t sx, int64_t K, const float
                          0, 0, 0};
         for (int t = 0; t < nt; t++)
             tile_f32_block(x + t * MR * sx, sx, k0, k1, wp, s + t * MR * PW32, k0 == 0, k1 == K,
-                           out + t * MR * so, so, ncols, bias, &pf, stream, &next);
+                           out + t * MR * so, so, ncols, bias, &pf, stream, gated, &next);
     }
 }
 #endif
@@ -653,8 +693,8 @@ static void panel_f32_blocked(const float *x, int64_t sx, int64_t K, const float
 #define TILE_BF16_ROWS(n)                                                                      \
     static __attribute__((noinline)) void tile_bf16_##n(                                      \
         const uint16_t *x, int64_t sx, int64_t K, const uint16_t *wp, uint16_t *out, int64_t so, \
-        int ncols, const uint16_t *bias, Prefetch pf, int stream) {                           \
-        tile_bf16(x, sx, K, wp, out, so, ncols, bias, pf, stream, n);                          \
+        int ncols, const uint16_t *bias, Prefetch pf, int stream, int gated) {                \
+        tile_bf16(x, sx, K, wp, out, so, ncols, bias, pf, stream, gated, n);                   \
     }
 TILE_BF16_ROWS(1)
 TILE_BF16_ROWS(2)
@@ -664,7 +704,7 @@ TILE_BF16_ROWS(5)
 TILE_BF16_ROWS(6)
 #undef TILE_BF16_ROWS
 typedef void (*TileBf16)(const uint16_t *, int64_t, int64_t, const uint16_t *, uint16_t *, int64_t,
-                         int, const uint16_t *, Prefetch, int);
+                         int, const uint16_t *, Prefetch, int, int);
 static const TileBf16 TILE_BF16_BY_ROWS[MR] = {tile_bf16_1, tile_bf16_2, tile_bf16_3,
                                                tile_bf16_4, tile_bf16_5, tile_bf16_6};
 #endif
@@ -672,21 +712,22 @@ static const TileBf16 TILE_BF16_BY_ROWS[MR] = {tile_bf16_1, tile_bf16_2, tile_bf
 #if defined(__AVX512BF16__) || defined(PW32)
 /* Tile t of panel p (a tile of mr rows), for either element type. */
 static void tile_rows(int dtype, const void *x, int64_t sx, int64_t K, const void *wp, void *out,
-                      int64_t so, int ncols, const void *bias, Prefetch pf, int stream, int mr) {
+                      int64_t so, int ncols, const void *bias, Prefetch pf, int stream, int gated,
+                      int mr) {
 #define TILES(fn, T)                                                                           \
     switch (mr) {                                                                              \
-    case 1: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, stream, 1); break; \
-    case 2: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, stream, 2); break; \
-    case 3: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, stream, 3); break; \
-    case 4: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, stream, 4); break; \
-    case 5: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, stream, 5); break; \
-    default: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, stream, 6); break; \
+    case 1: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, stream, gated, 1); break; \
+    case 2: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, stream, gated, 2); break; \
+    case 3: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, stream, gated, 3); break; \
+    case 4: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, stream, gated, 4); break; \
+    case 5: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, stream, gated, 5); break; \
+    default: fn((const T *)x, sx, K, (const T *)wp, (T *)out, so, ncols, (const T *)bias, pf, stream, gated, 6); break; \
     }
 #ifdef __AVX512BF16__
     if (dtype == 1) {
         TILE_BF16_BY_ROWS[(mr < MR ? mr : MR) - 1]((const uint16_t *)x, sx, K, (const uint16_t *)wp,
                                                    (uint16_t *)out, so, ncols,
-                                                   (const uint16_t *)bias, pf, stream);
+                                                   (const uint16_t *)bias, pf, stream, gated);
         return;
     }
 #endif
@@ -770,7 +811,7 @@ static void run_panels(const Job *j, int64_t p0, int64_t p1, int64_t pf_end, int
                         char *ot = j->out + (size_t)((t * j->mr * j->so + p * opw) * j->es);
                         panel_f32_blocked((const float *)xt, j->sx, j->K, (const float *)wp,
                                           (float *)ot, j->so, ncols, (const float *)pb, pf,
-                                          j->stream, n, s);
+                                          j->stream, j->gated, n, s);
                     }
                     tstart = b0 + full;
                 }
@@ -795,7 +836,8 @@ static void run_panels(const Job *j, int64_t p0, int64_t p1, int64_t pf_end, int
                         continue;
                     }
 #endif
-                    tile_rows(j->dtype, xt, j->sx, j->K, wp, ot, j->so, ncols, pb, pf, j->stream, mr);
+                    tile_rows(j->dtype, xt, j->sx, j->K, wp, ot, j->so, ncols, pb, pf, j->stream, j->gated,
+                              mr);
                 }
             }
         }
@@ -860,7 +902,8 @@ static int dense_run(void *out, const void *x, const void *packed, const void *b
     j.mr = MR;
     j.ksteps = j.steps;
     const int aligned = ((uintptr_t)out & 63) == 0 && so * j.es % 64 == 0;
-    j.stream = M * N * j.es > STREAM_BYTES && aligned;
+    /* streamed stores only of whole lines: not a gated AVX2 float32 row's 32 bytes a panel */
+    j.stream = M * N * j.es > STREAM_BYTES && aligned && j.opw * j.es % 64 == 0;
 #ifdef DENSE_AMX
     if (amx_layout(dtype, K)) {
         j.amx = 1;
@@ -917,16 +960,26 @@ int dense_linear_cpu(void *out, const void *x, const void *packed, const void *b
     return dense_run(out, x, packed, bias, M, N, K, sx, so, dtype, num_threads, 0);
 }
 
-/* Whether dense_linear_gated_cpu runs products of `dtype` with K inputs (AMX, bfloat16, K a
- * multiple of 32). */
-int dense_gated_supported_cpu(int dtype, int64_t K) { return amx_layout(dtype, K); }
+/* The channels of each half of a gated panel (gate rows, then up rows) for products of `dtype`
+ * with K inputs: 32 for bfloat16 (AMX tiles and vector tiles alike) and for AVX-512 float32, 8
+ * for AVX2 float32 (half of PW32); 0 where this build has no such product. */
+int dense_gated_supported_cpu(int dtype, int64_t K) {
+    if (amx_layout(dtype, K)) return 32;
+#ifdef __AVX512BF16__
+    if (dtype == 1) return PW / 2;
+#endif
+#ifdef PW32
+    if (dtype == 0) return PW32 / 2;
+#endif
+    return 0;
+}
 
 /* out [M, N] = silu(x @ gate^T) * (x @ up^T), gate and up [N, K] packed as one weight of
- * ceil(N / 32) panels, panel p = gate rows 32p.. then up rows 32p.. (each block of 32 padded
- * with zero rows): the gate-up product and SiLU-and-multiply in one pass, its [M, 2N] product
- * never stored. -1 where dense_gated_supported_cpu says no. */
+ * ceil(N / H) panels (H = dense_gated_supported_cpu), panel p = gate rows H p.. then up rows
+ * H p.. (each block of H padded with zero rows): the gate-up product and SiLU-and-multiply in
+ * one pass, its [M, 2N] product never stored. -1 where dense_gated_supported_cpu says no. */
 int dense_linear_gated_cpu(void *out, const void *x, const void *packed, int64_t M, int64_t N,
                            int64_t K, int64_t sx, int64_t so, int dtype, int num_threads) {
-    if (!amx_layout(dtype, K)) return -1;
+    if (!dense_gated_supported_cpu(dtype, K)) return -1;
     return dense_run(out, x, packed, NULL, M, N, K, sx, so, dtype, num_threads, 1);
 }

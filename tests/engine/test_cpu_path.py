@@ -35,7 +35,7 @@ def test_bfloat16_fast_path_agrees_with_the_torch_path(tmp_path, monkeypatch):
     gate_ups = [m for m in fast.engine.runner.model.modules()
                 if isinstance(m, MergedColumnParallelLinear) and m.gated_silu]
     assert len(gate_ups) == 2  # one per layer
-    if cpu_gemm.pack_gated(torch.zeros(2, 32, dtype=torch.bfloat16)) is not None:  # AMX
+    if cpu_gemm.pack_gated(torch.zeros(2, 32, dtype=torch.bfloat16)) is not None:
         assert all(m.activated for m in gate_ups)  # SiLU-and-multiply inside the product
     with ops.backend("reference"):
         slow, slow_out = _generate(path, cpu_packed_gemm=False)

@@ -124,6 +124,12 @@ def test_c_kernels_build_for_every_class_and_match_the_references(isa, monkeypat
             kernel_tests.test_dense_float32_linear_is_as_accurate_as_f_linear(n, k, rows)
         for n, k in [(100, 64), (1152, 896), (64, 4864)]:  # k-blocked tiles: the same bits
             kernel_tests.test_prompt_sized_products_give_the_bits_of_small_ones(torch.float32, n, k)
+        for dtype in [torch.float32] + ([torch.bfloat16] if cpu_isa.native_bf16(isa) else []):
+            for n, k, rows in [(100, 64, 33), (70, 896, 7), (40, 33, 300)]:  # the fused gate-up
+                kernel_tests.test_gated_product_is_silu_and_mul_of_the_product_bit_for_bit(
+                    dtype, n, k, rows)
+            kernel_tests.test_gated_product_at_prompt_size_streams_its_stores_and_keeps_the_bits(
+                dtype)
     kernel_tests.test_paged_attention_decode_only_and_padding_rows()
     for heads, head_size in [((14, 2), 64), ((8, 2), 128), ((3, 3), 64)]:  # AMX: shared tiles
         kernel_tests.test_paged_attention_kv_heads_alone_give_the_same_bits(heads, head_size)

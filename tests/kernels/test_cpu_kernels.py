@@ -397,32 +397,50 @@ def test_prompt_sized_products_give_the_bits_of_small_ones(dtype, n, k):
                                              for i in range(0, 333, 32)]))
 
 
-_GATED = pytest.mark.skipif(cpu_gemm.pack_gated(torch.zeros(2, 32).bfloat16()) is None,
-                            reason="the fused gate-up product runs on AMX tiles only")
+def _gated_or_skip(weight: torch.Tensor) -> cpu_gemm.DensePacked:
+    fused = cpu_gemm.pack_gated(weight)
+    if fused is None:
+        pytest.skip(f"no fused gate-up product for {weight.dtype} on this CPU class")
+    return fused
 
 
-@_GATED
-@pytest.mark.parametrize("n,k", [(100, 64), (20, 64), (70, 896), (64, 4864)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,k", [(100, 64), (20, 64), (70, 896), (64, 4864), (40, 33)])
 @pytest.mark.parametrize("rows", [1, 7, 16, 17, 32, 33, 300])
-def test_gated_product_is_silu_and_mul_of_the_product_bit_for_bit(n, k, rows):
-    # gate and up interleaved in blocks of 32 (n not a multiple of 32: the last block padded);
-    # the fused epilogue rounds as the product's store and silu_and_mul_cpu do
+def test_gated_product_is_silu_and_mul_of_the_product_bit_for_bit(dtype, n, k, rows):
+    # gate and up interleaved in blocks of half a panel (n not a multiple of it: the last block
+    # padded; n % 16 != 0: silu_and_mul's scalar tail); the fused epilogue rounds as the
+    # product's store and silu_and_mul_cpu do. k = 33: vector tiles even on AMX (odd inputs)
     torch.manual_seed(n * rows + k)
-    weight = torch.randn(2 * n, k).bfloat16()
-    fused, plain = cpu_gemm.pack_gated(weight), cpu_gemm.pack(weight)
-    assert fused is not None and fused.gated and (fused.n, fused.k) == (n, k)
-    base = torch.randn(rows, k + 3).bfloat16()
+    weight = torch.randn(2 * n, k).to(dtype)
+    fused, plain = _gated_or_skip(weight), cpu_gemm.pack(weight)
+    assert fused.gated and (fused.n, fused.k) == (n, k)
+    base = torch.randn(rows, k + 3).to(dtype)
     for x in (base[:, :k], base[:, :k].contiguous()):
         two_steps = ops.silu_and_mul(cpu_gemm.packed_linear(x, plain, None))
         assert torch.equal(cpu_gemm.packed_linear(x, fused, None), two_steps)
     with pytest.raises(ValueError, match="no bias"):
-        cpu_gemm.packed_linear(base[:, :k], fused, torch.zeros(n).bfloat16())
+        cpu_gemm.packed_linear(base[:, :k], fused, torch.zeros(n).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gated_product_at_prompt_size_streams_its_stores_and_keeps_the_bits(dtype):
+    # 2048 x 2400 outputs are over the kernel's streaming size (stored with non-temporal
+    # stores), and 2048 rows run the prompt-sized paths (row blocks; k-blocked float32 tiles)
+    torch.manual_seed(5)
+    weight = torch.randn(4800, 128).to(dtype)
+    fused, plain = _gated_or_skip(weight), cpu_gemm.pack(weight)
+    x = torch.randn(2048, 128).to(dtype)
+    assert torch.equal(cpu_gemm.packed_linear(x, fused, None),
+                       ops.silu_and_mul(cpu_gemm.packed_linear(x, plain, None)))
 
 
 def test_gated_packing_declines_what_it_cannot_fuse():
-    assert cpu_gemm.pack_gated(torch.randn(2 * 20, 33).bfloat16()) is None  # inputs not 32s
-    assert cpu_gemm.pack_gated(torch.randn(2 * 20, 64)) is None  # float32
     assert cpu_gemm.pack_gated(torch.randn(41, 64).bfloat16()) is None  # no two halves
+    assert cpu_gemm.pack_gated(torch.randn(40, 64).half()) is None  # no C kernel for float16
+    for dtype in (torch.bfloat16, torch.float32):  # fused wherever the C kernel runs the dtype
+        used = cpu_gemm.dense_kernel_used(torch.empty(2, 2, dtype=dtype))
+        assert (cpu_gemm.pack_gated(torch.randn(40, 64).to(dtype)) is not None) == used
 
 
 @_DENSE
