@@ -666,6 +666,152 @@ static void attend_tile_qvec(const Item *it, Scratch *w, void *out, const void *
 }
 #endif
 
+#ifdef __AVX512BF16__
+/* attend_tile_qvec for bfloat16 queries over a bfloat16 cache (D a multiple of 32), on bfloat16
+ * dot products as the decode rows (attend_row_dc): 16 query vectors' scores for one key are D / 2
+ * vdpbf16ps of their transposed (q[2i], q[2i+1]) pairs with the key's pair broadcast, scaled
+ * after; the values accumulate from (p[t], p[t+1]) pairs (the probabilities rounded to bfloat16)
+ * times (v[t][d], v[t+1][d]) pairs, made once per chunk and kv head with 16-bit unpacks, so the
+ * accumulators run in permuted_d's order. Half the float32 path's instructions: 7 prompts of 290
+ * tokens, 14 query and 2 kv heads of 64, 24 layers, 197 -> 112 ms on Zen 4. */
+static void attend_tile_bf16(const Item *it, Scratch *w, void *out, const void *query,
+                             const char *k_cache, const char *v_cache, const int32_t *table,
+                             int64_t pos0, int num_q_heads, int num_kv_heads, int D,
+                             int block_size, int max_blocks, int64_t q_stride_t,
+                             int64_t out_stride_t, float scale, int window, float softcap,
+                             int dtype, int kv_dtype) {
+    (void)dtype, (void)kv_dtype; /* both bfloat16 */
+    static const char zero_row[512];
+    const int group = num_q_heads / num_kv_heads, R = it->nrows, P = D / 2;
+    const int64_t token_stride = (int64_t)num_kv_heads * D;
+    const int64_t block_stride = (int64_t)block_size * token_stride;
+    const size_t row = (size_t)token_stride * 2; /* bytes from one key to the next */
+    const int nq = R * group, ngroups = (nq + 15) / 16, nqp = ngroups * 16;
+    uint32_t *qt = (uint32_t *)w->q;   /* [P][nqp]: each lane's query pairs, unscaled */
+    float *acc = w->acc, *S = w->s;    /* acc: [D][nqp], rows in permuted_d order; S: [CHUNK][nqp] */
+    uint32_t *vp = (uint32_t *)w->kbuf; /* [CHUNK / 2][D]: a chunk's value pairs, permuted_d order */
+    float *m = w->m, *l = w->l;        /* [nqp] */
+    float pos[QVEC_MAX_LANES], pos_lo[QVEC_MAX_LANES];
+    int at[256];                       /* at[d]: the accumulator row of dim d */
+    for (int i = 0; i < D; i++) at[permuted_d(i)] = i;
+    const int64_t kv_len = pos0 + R, first = window_start(pos0, window);
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int kvh = it->kvh0; kvh < it->kvh1; kvh++) {
+        memset(qt, 0, sizeof(uint32_t) * (size_t)P * nqp);
+        for (int j = 0; j < nq; j++) {
+            const int r = j / group, h = kvh * group + j % group;
+            const uint32_t *qr = (const uint32_t *)((const char *)query + ((size_t)(it->row0 + r) * q_stride_t + (size_t)h * D) * 2);
+            for (int p = 0; p < P; p++) qt[(size_t)p * nqp + j] = qr[p];
+        }
+        for (int j = 0; j < nqp; j++) {
+            pos[j] = j < nq ? (float)(pos0 + j / group) : -1.0f; /* padding lanes see no key */
+            pos_lo[j] = window > 0 ? pos[j] - (float)window + 1.0f : -INFINITY;
+            m[j] = -INFINITY;
+            l[j] = 0.0f;
+        }
+        memset(acc, 0, sizeof(float) * (size_t)D * nqp);
+        const int64_t nblocks = (kv_len + block_size - 1) / block_size;
+        for (int64_t jb = first / block_size; jb < nblocks && jb < max_blocks; jb++) {
+            const int64_t blk = table[jb];
+            if (blk < 0) continue;
+            if (jb + 1 < nblocks && jb + 1 < max_blocks && table[jb + 1] >= 0) {
+                const size_t nb = ((size_t)table[jb + 1] * block_stride + (size_t)kvh * D) * 2;
+                prefetch_head_rows(k_cache + nb, v_cache + nb, block_size, row, (size_t)D * 2);
+            }
+            for (int c0 = 0; c0 < block_size; c0 += CHUNK) {
+                const int64_t key0 = jb * block_size + c0;
+                if (key0 >= kv_len) break;
+                int n = block_size - c0 < CHUNK ? block_size - c0 : CHUNK;
+                if (key0 + n > kv_len) n = (int)(kv_len - key0);
+                if (key0 + n <= first) continue; /* before every lane's window */
+                const size_t base = ((size_t)blk * block_stride + (size_t)c0 * token_stride + (size_t)kvh * D) * 2;
+                const char *kb = k_cache + base, *vb = v_cache + base;
+                for (int t = 0; t < n; t += 2) { /* the chunk's value pairs (a missing key: zeros) */
+                    const char *r0 = vb + (size_t)t * row, *r1 = t + 1 < n ? r0 + row : zero_row;
+                    for (int c2 = 0; c2 < D / 32; c2++) {
+                        const __m512i x = _mm512_loadu_si512(r0 + 64 * c2), y = _mm512_loadu_si512(r1 + 64 * c2);
+                        _mm512_storeu_si512(vp + (size_t)(t / 2) * D + 32 * c2, _mm512_unpacklo_epi16(x, y));
+                        _mm512_storeu_si512(vp + (size_t)(t / 2) * D + 32 * c2 + 16, _mm512_unpackhi_epi16(x, y));
+                    }
+                }
+                for (int g = 0; g < ngroups; g++) {
+                    const uint32_t *qg = qt + 16 * g;
+                    const __m512 pg = _mm512_loadu_ps(pos + 16 * g), pg_lo = _mm512_loadu_ps(pos_lo + 16 * g);
+                    __m512 mx = _mm512_loadu_ps(m + 16 * g);
+                    for (int t = 0; t < n; t += 8) { /* eight keys: eight independent chains */
+                        const int nk = n - t < 8 ? n - t : 8;
+                        __m512 sv[8];
+                        for (int i = 0; i < 8; i++) sv[i] = _mm512_setzero_ps();
+                        const uint32_t *k0 = (const uint32_t *)(kb + (size_t)t * row);
+                        const size_t rs = row / 4;
+                        if (nk == 8) {
+                            for (int p = 0; p < P; p++) {
+                                const __m512bh q = (__m512bh)_mm512_loadu_si512(qg + (size_t)p * nqp);
+                                for (int i = 0; i < 8; i++)
+                                    sv[i] = _mm512_dpbf16_ps(sv[i], q, (__m512bh)_mm512_set1_epi32((int)k0[i * rs + p]));
+                            }
+                        } else {
+                            for (int p = 0; p < P; p++) {
+                                const __m512bh q = (__m512bh)_mm512_loadu_si512(qg + (size_t)p * nqp);
+                                for (int i = 0; i < nk; i++)
+                                    sv[i] = _mm512_dpbf16_ps(sv[i], q, (__m512bh)_mm512_set1_epi32((int)k0[i * rs + p]));
+                            }
+                        }
+                        for (int i = 0; i < nk; i++) {
+                            const __m512 key = _mm512_set1_ps((float)(key0 + t + i));
+                            __m512 si = _mm512_mul_ps(sv[i], vscale);
+                            if (softcap > 0.0f) si = v_softcap(si, softcap);
+                            si = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), _mm512_cmp_ps_mask(key, pg, _CMP_LE_OQ), si);
+                            si = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), _mm512_cmp_ps_mask(pg_lo, key, _CMP_LE_OQ), si);
+                            mx = _mm512_max_ps(mx, si);
+                            _mm512_storeu_ps(S + (size_t)(t + i) * nqp + 16 * g, si);
+                        }
+                    }
+                    /* lanes whose max is still -inf saw no key yet: leave them untouched */
+                    const __mmask16 seen = _mm512_cmp_ps_mask(mx, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+                    const __m512 mold = _mm512_loadu_ps(m + 16 * g);
+                    const __m512 corr = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), seen, exp16(_mm512_sub_ps(mold, mx)));
+                    __m512 sum = _mm512_setzero_ps();
+                    /* p of keys t, t + 1 as one bfloat16 pair per lane, over S's row t */
+                    for (int t2 = 0; t2 < n; t2 += 2) {
+                        float *s0 = S + (size_t)t2 * nqp + 16 * g;
+                        const __m512 p0 = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(_mm512_loadu_ps(s0), mx)));
+                        __m512 p1 = _mm512_setzero_ps();
+                        if (t2 + 1 < n)
+                            p1 = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(_mm512_loadu_ps(s0 + nqp), mx)));
+                        sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+                        const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p0));
+                        const __m512i hi = _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p1)), 16);
+                        _mm512_storeu_si512(s0, _mm512_or_si512(lo, hi));
+                    }
+                    _mm512_storeu_ps(l + 16 * g, _mm512_fmadd_ps(_mm512_loadu_ps(l + 16 * g), corr, sum));
+                    _mm512_storeu_ps(m + 16 * g, _mm512_mask_mov_ps(mold, seen, mx));
+                    for (int d = 0; d < D; d += 8) { /* eight accumulator rows: eight chains */
+                        float *ad = acc + (size_t)d * nqp + 16 * g;
+                        __m512 a[8];
+                        for (int i = 0; i < 8; i++) a[i] = _mm512_mul_ps(_mm512_loadu_ps(ad + (size_t)i * nqp), corr);
+                        for (int t2 = 0; t2 < n; t2 += 2) {
+                            const __m512bh pp = (__m512bh)_mm512_loadu_si512(S + (size_t)t2 * nqp + 16 * g);
+                            const uint32_t *v = vp + (size_t)(t2 / 2) * D + d;
+                            for (int i = 0; i < 8; i++)
+                                a[i] = _mm512_dpbf16_ps(a[i], pp, (__m512bh)_mm512_set1_epi32((int)v[i]));
+                        }
+                        for (int i = 0; i < 8; i++) _mm512_storeu_ps(ad + (size_t)i * nqp, a[i]);
+                    }
+                }
+            }
+        }
+        float *o = (float *)w->kbuf;
+        for (int j = 0; j < nq; j++) {
+            const int r = j / group, h = kvh * group + j % group;
+            const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;
+            for (int d = 0; d < D; d++) o[d] = acc[(size_t)at[d] * nqp + j] * inv;
+            store_row((char *)out + ((size_t)(it->row0 + r) * out_stride_t + (size_t)h * D) * 2, o, D, 1);
+        }
+    }
+}
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define ROW_MAX_GROUP 4 /* decode rows of GQA groups up to this size take attend_row_avx2 */
 
@@ -868,6 +1014,11 @@ int paged_attention_cpu(
 #ifdef VF
             if (head_size % 8 == 0 && (int64_t)ROWS * (num_q_heads / num_kv_heads) + VW <= QVEC_MAX_LANES)
                 path = attend_tile_qvec;
+#endif
+#ifdef __AVX512BF16__
+            if (dtype == 1 && kv_dtype == 1 && head_size % 32 == 0 && head_size <= 256 &&
+                (int64_t)ROWS * (num_q_heads / num_kv_heads) + 16 <= QVEC_MAX_LANES)
+                path = attend_tile_bf16;
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
             if (it->nrows == 1 && head_size % 8 == 0 && num_q_heads / num_kv_heads <= ROW_MAX_GROUP)
