@@ -672,9 +672,9 @@ static void attend_tile_qvec(const Item *it, Scratch *w, void *out, const void *
  * vdpbf16ps of their transposed (q[2i], q[2i+1]) pairs with the key's pair broadcast, scaled
  * after; the values accumulate from (p[t], p[t+1]) pairs (the probabilities rounded to bfloat16)
  * times (v[t][d], v[t+1][d]) pairs, made once per chunk and kv head with 16-bit unpacks, so the
- * accumulators run in permuted_d's order. Half the float32 path's instructions: 7 prompts of 290
- * tokens, 14 query and 2 kv heads of 64, 24 layers, 197 -> 132 ms on Zen 4 (the 0.5B model's prompt
- * steps of 2,048 tokens: 217-221 -> 147-148 ms). */
+ * accumulators run in permuted_d's order. Half the float32 path's instructions: 7 prompts of
+ * 290 tokens, 14 query and 2 kv heads of 64, 24 layers, 197 -> 132 ms on Zen 4 (the 0.5B
+ * model's prompt steps of 2,048 tokens: 217-221 -> 147-148 ms). */
 static void attend_tile_bf16(const Item *it, Scratch *w, void *out, const void *query,
                              const char *k_cache, const char *v_cache, const int32_t *table,
                              int64_t pos0, int num_q_heads, int num_kv_heads, int D,
