@@ -21,9 +21,10 @@
  *     packed[(((p * 2 + h) * K2 + k2) * 32 + c) * 2 + i] = w[64 p + 32 h + c, 2 k2 + i]
  *
  * so 16 pair steps of 16 channels are one B tile (16 rows of 64 bytes, 128 bytes apart) and a
- * half streams from memory in order. A gated weight (dense_linear_gated_cpu) puts 32 channels'
- * gate rows in a panel's first half and the same channels' up rows in its second, and the tile
- * writes silu(gate) * up: an MLP's gate-up product and its activation in one pass. oneDNN's AMX
+ * half streams from memory in order. A gated weight (dense_linear_gated_cpu, every tile kind)
+ * puts half a panel's channels' gate rows (32; 8 in AVX2's float32 panels of 16) in a panel's
+ * first half and the same channels' up rows in its second, and the tile writes silu(gate) * up:
+ * an MLP's gate-up product and its activation in one pass. oneDNN's AMX
  * products, which the engine used before, cost about 30 us a call beyond their work (a 64 x 64
  * product: 30 us from Python, 7-13 us inside oneDNN); at 1 to 32 rows they took 1.14-1.21x this
  * kernel's time (the 0.5B model's four linears, 24 layers, weights from DRAM), at 256 and 512
