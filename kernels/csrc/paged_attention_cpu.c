@@ -529,6 +529,42 @@ static void attend_row_d128(const Item *it, Scratch *w, void *out, const void *q
 #endif
 
 #ifdef VF
+/* The tile paths' lanes: lane j (nq of nqp real) is query row j / group, at position pos0 +
+ * j / group (padding lanes see no key); pos_lo: its window's first key; no softmax state and
+ * zero sums (acc: D rows of nqp) yet. */
+static void tile_lanes_init(float *pos, float *pos_lo, float *m, float *l, float *acc, int D,
+                            int nq, int nqp, int group, int64_t pos0, int window) {
+    memset(acc, 0, sizeof(float) * (size_t)D * nqp);
+    for (int j = 0; j < nqp; j++) {
+        pos[j] = j < nq ? (float)(pos0 + j / group) : -1.0f;
+        pos_lo[j] = window > 0 ? pos[j] - (float)window + 1.0f : -INFINITY;
+        m[j] = -INFINITY;
+        l[j] = 0.0f;
+    }
+}
+
+/* Block jb + 1's rows of kv head kvh (rows `row` bytes apart), asked for while block jb runs:
+ * AVX2 decode rows (14 query and 2 kv heads of 64, 64 rows of 340 keys, 24 layers from memory)
+ * float32 63 -> 47 ms, bfloat16 42.7 -> 38.3; prompts' tiles the same. */
+static inline void prefetch_next_head_block(const int32_t *table, int64_t jb, int64_t nblocks,
+                                            int max_blocks, const char *k_cache,
+                                            const char *v_cache, int64_t block_stride, int kvh,
+                                            int D, size_t kes, int block_size, size_t row) {
+    if (jb + 1 < nblocks && jb + 1 < max_blocks && table[jb + 1] >= 0) {
+        const size_t nb = ((size_t)table[jb + 1] * block_stride + (size_t)kvh * D) * kes;
+        prefetch_head_rows(k_cache + nb, v_cache + nb, block_size, row, (size_t)D * kes);
+    }
+}
+
+/* The keys of the chunk at c0 of a block (its first at position key0) that a tile reads: -1
+ * past the context (no more chunks), 0 before every lane's window (skip it). */
+static inline int chunk_keys(int64_t key0, int c0, int block_size, int64_t kv_len, int64_t first) {
+    if (key0 >= kv_len) return -1;
+    int n = block_size - c0 < CHUNK ? block_size - c0 : CHUNK;
+    if (key0 + n > kv_len) n = (int)(kv_len - key0);
+    return key0 + n <= first ? 0 : n;
+}
+
 /* The tile path (a tile's R x GROUP query vectors of one kv head): vectorised across the
  * query vectors rather than along D, so no horizontal sums. Scores of VW query vectors (16 with
  * AVX-512, 8 with AVX2) for one key are D FMAs of their transposed rows qt[d][j] with the key's
@@ -558,31 +594,18 @@ static void attend_tile_qvec(const Item *it, Scratch *w, void *out, const void *
             load_row(w->kbuf, (const char *)query + ((size_t)(it->row0 + r) * q_stride_t + (size_t)h * D) * esize, D, dtype);
             for (int d = 0; d < D; d++) qt[(size_t)d * nqp + j] = w->kbuf[d] * scale;
         }
-        for (int j = 0; j < nqp; j++) {
-            pos[j] = j < nq ? (float)(pos0 + j / group) : -1.0f; /* padding lanes see no key */
-            pos_lo[j] = window > 0 ? pos[j] - (float)window + 1.0f : -INFINITY;
-            m[j] = -INFINITY;
-            l[j] = 0.0f;
-        }
-        memset(acc, 0, sizeof(float) * (size_t)D * nqp);
+        tile_lanes_init(pos, pos_lo, m, l, acc, D, nq, nqp, group, pos0, window);
         const int64_t nblocks = (kv_len + block_size - 1) / block_size;
         for (int64_t jb = first / block_size; jb < nblocks && jb < max_blocks; jb++) {
             const int64_t blk = table[jb];
             if (blk < 0) continue;
-            if (jb + 1 < nblocks && jb + 1 < max_blocks && table[jb + 1] >= 0) {
-                /* the next block's rows of this kv head: AVX2 decode rows (14 query and 2 kv
-                 * heads of 64, 64 rows of 340 keys, 24 layers from memory) float32 63 -> 47 ms,
-                 * bfloat16 42.7 -> 38.3; prompts' tiles the same */
-                const size_t nb = ((size_t)table[jb + 1] * block_stride + (size_t)kvh * D) * kes;
-                prefetch_head_rows(k_cache + nb, v_cache + nb, block_size, token_stride * kes,
-                                   (size_t)D * kes);
-            }
+            prefetch_next_head_block(table, jb, nblocks, max_blocks, k_cache, v_cache, block_stride,
+                                     kvh, D, kes, block_size, token_stride * kes);
             for (int c0 = 0; c0 < block_size; c0 += CHUNK) {
                 const int64_t key0 = jb * block_size + c0;
-                if (key0 >= kv_len) break;
-                int n = block_size - c0 < CHUNK ? block_size - c0 : CHUNK;
-                if (key0 + n > kv_len) n = (int)(kv_len - key0);
-                if (key0 + n <= first) continue; /* before every lane's window */
+                const int n = chunk_keys(key0, c0, block_size, kv_len, first);
+                if (n < 0) break;
+                if (n == 0) continue; /* before every lane's window */
                 const char *kb = k_cache + ((size_t)blk * block_stride + (size_t)c0 * token_stride + (size_t)kvh * D) * kes;
                 const char *vb = v_cache + ((size_t)blk * block_stride + (size_t)c0 * token_stride + (size_t)kvh * D) * kes;
                 /* the chunk's key and value rows as floats (the same distance apart), converted
@@ -704,27 +727,18 @@ static void attend_tile_bf16(const Item *it, Scratch *w, void *out, const void *
             const uint32_t *qr = (const uint32_t *)((const char *)query + ((size_t)(it->row0 + r) * q_stride_t + (size_t)h * D) * 2);
             for (int p = 0; p < P; p++) qt[(size_t)p * nqp + j] = qr[p];
         }
-        for (int j = 0; j < nqp; j++) {
-            pos[j] = j < nq ? (float)(pos0 + j / group) : -1.0f; /* padding lanes see no key */
-            pos_lo[j] = window > 0 ? pos[j] - (float)window + 1.0f : -INFINITY;
-            m[j] = -INFINITY;
-            l[j] = 0.0f;
-        }
-        memset(acc, 0, sizeof(float) * (size_t)D * nqp);
+        tile_lanes_init(pos, pos_lo, m, l, acc, D, nq, nqp, group, pos0, window);
         const int64_t nblocks = (kv_len + block_size - 1) / block_size;
         for (int64_t jb = first / block_size; jb < nblocks && jb < max_blocks; jb++) {
             const int64_t blk = table[jb];
             if (blk < 0) continue;
-            if (jb + 1 < nblocks && jb + 1 < max_blocks && table[jb + 1] >= 0) {
-                const size_t nb = ((size_t)table[jb + 1] * block_stride + (size_t)kvh * D) * 2;
-                prefetch_head_rows(k_cache + nb, v_cache + nb, block_size, row, (size_t)D * 2);
-            }
+            prefetch_next_head_block(table, jb, nblocks, max_blocks, k_cache, v_cache, block_stride,
+                                     kvh, D, 2, block_size, row);
             for (int c0 = 0; c0 < block_size; c0 += CHUNK) {
                 const int64_t key0 = jb * block_size + c0;
-                if (key0 >= kv_len) break;
-                int n = block_size - c0 < CHUNK ? block_size - c0 : CHUNK;
-                if (key0 + n > kv_len) n = (int)(kv_len - key0);
-                if (key0 + n <= first) continue; /* before every lane's window */
+                const int n = chunk_keys(key0, c0, block_size, kv_len, first);
+                if (n < 0) break;
+                if (n == 0) continue; /* before every lane's window */
                 const size_t base = ((size_t)blk * block_stride + (size_t)c0 * token_stride + (size_t)kvh * D) * 2;
                 const char *kb = k_cache + base, *vb = v_cache + base;
                 for (int t = 0; t < n; t += 2) { /* the chunk's value pairs (a missing key: zeros) */
