@@ -54,6 +54,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last N tokens
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] | None = None  # never generated (engine.layers.logits_processors)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
 
     def __post_init__(self) -> None:

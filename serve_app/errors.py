@@ -80,8 +80,10 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> APIE
         return APIError(400, f"malformed JSON body: {err.get('msg')}", code="invalid_json")
     loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
     cause = err.get("ctx", {}).get("error")
-    if isinstance(cause, FieldError):
-        loc = [*loc, cause.field]
+    if isinstance(cause, FieldError):  # a nested model's check may name its path already
+        prefix = ".".join(loc)
+        nested = cause.field == prefix or cause.field.startswith(prefix + ".")
+        loc = [cause.field] if prefix and nested else [*loc, cause.field]
     param = ".".join(loc) or None
     msg = err.get("msg", "invalid value")
     if err.get("type") == "value_error":

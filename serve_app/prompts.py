@@ -141,8 +141,9 @@ class PromptProcessor:
         """Sampling parameters, after checking the prompt and output fit ``max_model_len``."""
         limit, n = self.max_model_len, len(prompt_ids)
         self._check_length(n, max_tokens, getattr(req, "max_tokens_param", "max_tokens"))
-        for name in ("stop_token_ids", "allowed_token_ids"):
-            ids = getattr(req, name)
+        for name, ids in (("stop_token_ids", req.stop_token_ids),
+                          ("allowed_token_ids", req.allowed_token_ids),
+                          ("logit_bias", list(req.logit_bias_ids() or ()))):
             if ids and max(ids) >= self.vocab_size:
                 raise APIError(400, f"{name}: token id {max(ids)} is outside the vocabulary "
                                f"[0, {self.vocab_size})", param=name)

@@ -16,6 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
+from engine.layers.logits_processors import MAX_BIAS
 from engine.sampling_params import (
     INT32_MAX,
     MAX_N,
@@ -36,13 +37,14 @@ from serve_app.tools import (
     ToolPlan,
     template_arguments,
 )
-from serve_app.vllm_fields import VLLMExtensions
+from serve_app.vllm_fields import MAX_ALLOWED_IDS, VLLMExtensions
 
 MAX_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 
 TokenIds = list[Annotated[int, Field(ge=0, le=INT32_MAX)]]
-
+# logit_bias: OpenAI's keys are token ids written as strings, its values lie in [-100, 100]
+BiasValue = Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS, allow_inf_nan=False)]
 
 
 class StreamOptions(StrictModel):
@@ -72,15 +74,19 @@ class _Sampling(VLLMExtensions):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, BiasValue] | None = Field(
+        None, max_length=MAX_ALLOWED_IDS, description="Token id (a string, e.g. \"1234\") -> "
+        "a number in [-100, 100] added to its logit before sampling.")
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = Field(
         None, description="vLLM's extension: exactly one of json, regex, choice, grammar.")
 
     @model_validator(mode="after")
-    def _unsupported(self) -> _Sampling:
-        if self.logit_bias:
-            raise FieldError("logit_bias", "is not supported")
+    def _check_fields(self) -> _Sampling:
+        if any(not (k.isascii() and k.isdigit() and int(k) <= INT32_MAX)
+               for k in self.logit_bias or ()):
+            raise FieldError("logit_bias", f"keys must be token ids, integers in [0, {INT32_MAX}] "
+                             "written as strings")
         if len(self.stop_list()) > 16:
             raise FieldError("stop", "accepts at most 16 strings")
         if not all(self.stop_list()):
@@ -97,6 +103,10 @@ class _Sampling(VLLMExtensions):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        return None if self.logit_bias is None else {
+            int(k): v for k, v in self.logit_bias.items()}
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -246,7 +256,6 @@ class ChatCompletionRequest(_Sampling):
         return ToolPlan(mode, self.tools, self.parallel_tool_calls, parser=parser)
 
 
-
 def structured_outputs(req: CompletionRequest | ChatCompletionRequest,
                        ) -> StructuredOutputsParams | None:
     """What constrains the output: a tool choice, ``structured_outputs`` or a JSON
@@ -282,7 +291,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
             structured_outputs=constraint, prompt_logprobs=req.num_prompt_logprobs(),
             truncate_prompt_tokens=req.truncate_prompt_tokens,
             allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
-            cache_salt=req.cache_salt,
+            logit_bias=req.logit_bias_ids(), cache_salt=req.cache_salt,
         )
     except ValueError as exc:
         message = str(exc)

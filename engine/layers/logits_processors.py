@@ -1,9 +1,11 @@
 """vLLM's per-request logits processors beside the sampler's own: ``allowed_token_ids`` (only
-those ids can be sampled) and ``bad_words`` (their token sequences are never generated), with
-the checks of these fields and the bad words' tokenization."""
+those ids can be sampled), ``bad_words`` (their token sequences are never generated) and
+OpenAI's ``logit_bias`` (a number added to chosen tokens' logits), with the checks of these
+fields and the bad words' tokenization."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +17,7 @@ if TYPE_CHECKING:
 MAX_BAD_WORDS = 128
 MAX_WORD_LEN = 1024  # characters of one bad word, or of a cache salt
 _INT32_MAX = 2 ** 31 - 1
+MAX_BIAS = 100.0  # logit_bias values lie in [-MAX_BIAS, MAX_BIAS], as OpenAI's API takes them
 
 
 def _fail(name: str, rule: str, value: object) -> None:
@@ -26,9 +29,15 @@ def _is_id(t: object) -> bool:
     return isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _INT32_MAX
 
 
+def _is_bias(v: object) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            and -MAX_BIAS <= v <= MAX_BIAS)
+
+
 def validate_extras(p: Any) -> None:
-    """Check ``allowed_token_ids``, ``bad_words`` and ``cache_salt`` of SamplingParams ``p``
-    (``ValueError`` naming the field, as ``SamplingParams.validate``'s other checks)."""
+    """Check ``allowed_token_ids``, ``bad_words``, ``logit_bias`` and ``cache_salt`` of
+    SamplingParams ``p`` (``ValueError`` naming the field, as ``SamplingParams.validate``'s
+    other checks)."""
     allowed = p.allowed_token_ids
     if allowed is not None and not (isinstance(allowed, list) and allowed
                                     and all(map(_is_id, allowed))):
@@ -39,6 +48,11 @@ def validate_extras(p: Any) -> None:
             isinstance(w, str) and w.strip() and len(w) <= MAX_WORD_LEN for w in words)):
         _fail("bad_words", f"must be a list of at most {MAX_BAD_WORDS} non-blank strings of at "
               f"most {MAX_WORD_LEN} characters", words)
+    bias = p.logit_bias
+    if bias is not None and not (isinstance(bias, dict) and all(map(_is_id, bias))
+                                 and all(map(_is_bias, bias.values()))):
+        _fail("logit_bias", f"must map token ids in [0, {_INT32_MAX}] to numbers in "
+              f"[{-MAX_BIAS:g}, {MAX_BIAS:g}]", bias)
     salt = p.cache_salt
     if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_WORD_LEN):
         _fail("cache_salt", f"must be a non-empty string of at most {MAX_WORD_LEN} characters",
@@ -48,7 +62,7 @@ def validate_extras(p: Any) -> None:
 def check_vocab_ids(p: Any, vocab_size: int) -> None:
     """Token ids of ``p`` index the logits: each must be below ``vocab_size`` (one bad id would
     fail the whole step)."""
-    for name in ("stop_token_ids", "allowed_token_ids"):
+    for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
         outside = [t for t in getattr(p, name) or () if t >= vocab_size]
         if outside:
             raise ValueError(f"{name} must be in [0, {vocab_size - 1}], got {outside[:5]}")
@@ -77,6 +91,16 @@ def banned_tokens(bad_words: list[list[int]], output: list[int]) -> list[int]:
         if not prefix or output[-len(prefix):] == prefix:
             banned.append(word[-1])
     return banned
+
+
+def apply_logit_bias(logits: torch.Tensor, reqs: list[Request]) -> None:
+    """In place on ``logits`` [rows, vocab]: add each row's ``logit_bias`` to its tokens."""
+    for i, r in enumerate(reqs):
+        bias = r.params.logit_bias
+        if bias:
+            ids = torch.tensor(list(bias), device=logits.device)
+            logits[i, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype,
+                                           device=logits.device)
 
 
 def apply_request_masks(logits: torch.Tensor, reqs: list[Request]) -> None:

@@ -1,11 +1,13 @@
-"""Batched sampling: grammar masks, penalties, min_tokens, temperature, top-k / top-p / min-p, seeds, logprobs.
+"""Batched sampling: grammar masks, logit bias, penalties, min_tokens, temperature, top-k /
+top-p / min-p, seeds, logprobs.
 
-The batch's work is done in a few tensor ops; per-row Python runs only for penalties and seeded
-rows. Sampling uses the exponential race (argmax of probs / Exp(1) noise), so a seeded row draws
-its noise from its own generator and gets the same tokens whatever else is in the batch.
-Logprobs are those of the raw model distribution (log-softmax of the logits before any
-processing), as vLLM returns by default; so are prompt logprobs, which the sampler writes onto
-their requests (``Request.prompt_logprobs``).
+The batch's work is done in a few tensor ops; per-row Python runs only for the rows that ask for
+penalties, a seed or one of vLLM's per-request processors (``logits_processors``). Sampling uses
+the exponential race (argmax of probs / Exp(1) noise), so a seeded row draws its noise from its
+own generator and gets the same tokens whatever else is in the batch. Logprobs are those of the
+raw model distribution (log-softmax of the logits before any processing: bias, penalties, masks), as
+vLLM returns by default; so are prompt logprobs, which the sampler writes onto their requests
+(``Request.prompt_logprobs``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.layers.logits_processors import apply_request_masks
+from engine.layers.logits_processors import apply_logit_bias, apply_request_masks
 from engine.outputs import Logprob, Logprobs
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -52,19 +54,23 @@ class Sampler:
         params = [r.params for r in reqs]
         want_logprobs = any(p.logprobs is not None for p in params)
         penalties = any(p.needs_penalties for p in params)
+        biased = any(p.logit_bias for p in params)
         all_greedy = all(p.greedy for p in params)
         grammars = [r.grammar for r in reqs]
         constrained = any(g is not None for g in grammars)
         native_mask = constrained and ops.can_mask_logits(logits)
         # masks are applied in place in the logits' dtype (the model's logits are not used
         # again) where the C kernel can; xgrammar's own masking takes float32
-        if want_logprobs or penalties or not all_greedy or (constrained and not native_mask):
+        if (want_logprobs or penalties or biased or not all_greedy
+                or (constrained and not native_mask)):
             # The argmax of plain greedy rows is the same on the model's dtype (bfloat16 widens
             # to float32 exactly); everything else computes in float32.
             logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         if constrained:
             mask_logits(logits, grammars, native_mask)
+        if biased:  # before the penalties, as vLLM
+            apply_logit_bias(logits, reqs)
         if penalties:
             logits = logits.clone()
             self._apply_penalties(logits, reqs)

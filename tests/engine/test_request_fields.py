@@ -1,6 +1,6 @@
 """vLLM's request fields beyond sampling, end to end on a small random Llama: prompt logprobs
 (against Hugging Face), ``max_tokens=0``, ``truncate_prompt_tokens``, ``allowed_token_ids``,
-``bad_words``, ``cache_salt`` and ``top_k=0``."""
+``bad_words``, ``logit_bias``, ``cache_salt`` and ``top_k=0``."""
 
 from __future__ import annotations
 
@@ -122,6 +122,51 @@ def test_allowed_token_ids_restrict_greedy_to_the_masked_argmax(llm, hf_logprobs
         generate(llm, PROMPT, allowed_token_ids=[5, 768])
     with pytest.raises(ValueError, match="allowed_token_ids must be a non-empty list"):
         SamplingParams(allowed_token_ids=[])
+
+
+def test_logit_bias_shifts_the_logits_before_sampling(llm, hf_logprobs):
+    last = hf_logprobs[-1]
+    top2 = [int(t) for t in last.topk(2).indices]
+    # -100 on the greedy token: the runner-up wins; the reported logprob is the raw model's
+    out = generate(llm, PROMPT, max_tokens=1, logit_bias={top2[0]: -100.0}, logprobs=0, **GREEDY)
+    c = out.outputs[0]
+    assert c.token_ids == [top2[1]]
+    assert c.logprobs[0][top2[1]] == pytest.approx(float(last[top2[1]]), abs=1e-4)
+    # a bias just over the gap to the top lifts the token; just under, it does not
+    gap = float(last[top2[0]] - last[400])
+    lifted = generate(llm, PROMPT, max_tokens=1, logit_bias={400: gap + 0.05}, **GREEDY)
+    assert lifted.outputs[0].token_ids == [400]
+    kept = generate(llm, PROMPT, max_tokens=1, logit_bias={400: gap - 0.05}, **GREEDY)
+    assert kept.outputs[0].token_ids == [top2[0]]
+    # +100 on one token decides every step, greedy or sampled; other rows are unaffected
+    forced = generate(llm, PROMPT, max_tokens=6, logit_bias={7: 100, 9: -5.5}, **GREEDY)
+    assert forced.outputs[0].token_ids == [7] * 6
+    sampled = generate(llm, PROMPT, max_tokens=6, logit_bias={11: 100.0}, temperature=1.0,
+                       seed=5, ignore_eos=True)
+    assert sampled.outputs[0].token_ids == [11] * 6
+    plain = generate(llm, PROMPT, max_tokens=6, **GREEDY).outputs[0].token_ids
+    engine = llm.engine
+    engine.add_request("biased", {"prompt_token_ids": PROMPT},
+                       SamplingParams(max_tokens=6, logit_bias={7: 100.0}, **GREEDY))
+    engine.add_request("plain", {"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=6, **GREEDY))
+    done = {}
+    while engine.has_unfinished():
+        done.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    assert done == {"biased": [7] * 6, "plain": plain}
+
+
+@pytest.mark.parametrize("bias, message", [
+    ({768: 1.0}, r"logit_bias must be in \[0, 767\], got \[768\]"),
+    ({5: 100.5}, r"logit_bias must map token ids in \[0, 2147483647\] to numbers in \[-100, 100\]"),
+    ({5: float("nan")}, "logit_bias must map"),
+    ({5: True}, "logit_bias must map"),
+    ({-1: 1.0}, "logit_bias must map"),
+    ({"5": 1.0}, "logit_bias must map"),
+    ([5], "logit_bias must map"),
+])
+def test_logit_bias_is_checked(llm, bias, message):
+    with pytest.raises(ValueError, match=message):
+        generate(llm, PROMPT, max_tokens=1, logit_bias=bias)
 
 
 def test_bad_words_are_never_generated(llm):

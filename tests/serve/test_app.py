@@ -359,6 +359,34 @@ def test_vllm_sampling_fields_match_offline(url, offline):
     assert (cached, len(replicas)) == ([0, 96, 0], 1)
 
 
+def test_logit_bias_as_openai_clients_send_it(url, offline):
+    """The openai client's ``logit_bias`` (string keys) gives the offline engine's tokens for
+    the same bias; a bias over the vocabulary or out of range is a 400 naming it."""
+    from engine import SamplingParams
+
+    client = _client(url)
+    prompt = list(range(60, 75))
+    plain = offline.generate({"prompt_token_ids": prompt}, SamplingParams(
+        max_tokens=5, temperature=0.0, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    bias = {plain[0]: -100.0, 401: 4.0, 402: -3.5}
+    ref = offline.generate({"prompt_token_ids": prompt}, SamplingParams(
+        max_tokens=5, temperature=0.0, ignore_eos=True, logit_bias=bias), use_tqdm=False)[0]
+    out = client.completions.create(model=None, prompt=prompt, max_tokens=5, temperature=0.0,
+                                    logprobs=0, logit_bias={str(k): v for k, v in bias.items()},
+                                    extra_body={"ignore_eos": True})
+    tok = offline.get_tokenizer()
+    assert ref.outputs[0].token_ids[0] != plain[0]
+    assert out.choices[0].logprobs.tokens == [tok.decode([t]) for t in ref.outputs[0].token_ids]
+    chat = client.chat.completions.create(model=None, max_tokens=3, temperature=0.0,
+                                          messages=[{"role": "user", "content": "x"}],
+                                          logit_bias={"77": 100})
+    assert chat.choices[0].message.content == tok.decode([77] * 3)
+    for bias_json, param in (({"100000": 1}, "logit_bias"), ({"5": 101}, "logit_bias.5")):
+        resp = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "logit_bias": bias_json},
+                          timeout=60)
+        assert _error(resp, 400)["param"] == param
+
+
 # ---- concurrency -----------------------------------------------------------------------------
 
 async def _stream_completion(client: httpx.AsyncClient, prefix: str, max_tokens: int,

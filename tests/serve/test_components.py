@@ -186,7 +186,10 @@ def test_serve_config_file_matches_rays_schema():
     (b'{"prompt": "hi", "max_tokens": -3}', "max_tokens"),
     (b'{"prompt": "hi", "temperature": 9}', "temperature"),
     (b'{"max_tokens": 3}', "prompt"),
-    (b'{"prompt": "hi", "logit_bias": {"1": 2.0}}', None),
+    (b'{"prompt": "hi", "logit_bias": {"x1": 2.0}}', "logit_bias"),
+    (b'{"prompt": "hi", "logit_bias": {"-1": 2.0}}', "logit_bias"),
+    (b'{"prompt": "hi", "logit_bias": {"1": 100.5}}', "logit_bias.1"),
+    (b'{"prompt": "hi", "logit_bias": {"1": "2"}}', "logit_bias.1"),
     (b'{"prompt": "hi", "stop": [""]}', None),
 ])
 def test_completion_request_errors_are_400(body, param):
@@ -196,6 +199,22 @@ def test_completion_request_errors_are_400(body, param):
     assert err.value.body()["error"]["type"] == "invalid_request_error"
     if param is not None:
         assert err.value.param == param
+
+
+def test_logit_bias_keys_become_token_ids():
+    req = parse_request(CompletionRequest, b'{"prompt": "hi", "logit_bias": {"17": -100, '
+                                           b'"0": 2.5, "2147483647": 100}}')
+    assert req.logit_bias_ids() == {17: -100.0, 0: 2.5, 2147483647: 100.0}
+    assert parse_request(CompletionRequest, b'{"prompt": "hi"}').logit_bias_ids() is None
+
+
+def test_a_nested_check_names_its_field_once():
+    with pytest.raises(APIError) as err:
+        parse_request(ChatCompletionRequest, b'{"messages": [{"role": "user", "content": "x"}], '
+                                             b'"response_format": {"type": "json_schema"}}')
+    assert err.value.param == "response_format.json_schema"
+    assert err.value.body()["error"]["message"].startswith(
+        "response_format.json_schema: is required when type is 'json_schema'")
 
 
 def test_chat_request_rejects_unknown_role():

@@ -33,6 +33,7 @@ EXTREMES = [
     0.0, 0.5, -0.5, 1.5, 1e308, -1e308, math.inf, -math.inf, math.nan, 1e-300,
     True, False, None, "", "5", "é\u0000🙂\ud7ff", "x" * 5000, [], [0], [-1], [2 ** 63],
     [[0, 5], [7]], [[]], ["a"], [""], ["x"] * 100, list(range(3000)), {}, {"a": 1},
+    {"5": 100}, {"5": -100.5}, {"767": 1e-300, "0": -7},
     {"type": "json_object"}, {"include_usage": True}, {"include_usage": "yes"},
     # structured output and tools: valid and broken specifications
     {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}},
@@ -160,6 +161,9 @@ def test_field_errors_across_fields_name_the_field(processor):
         ("completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
         ("completions", {"echo": True, "logprobs": 1, "stream": True}, "echo"),
         ("completions", {"allowed_token_ids": [5, 768]}, "allowed_token_ids"),
+        ("completions", {"logit_bias": {"5": 1, "768": 1}}, "logit_bias"),
+        ("chat", {"logit_bias": {"5": -100.01}}, "logit_bias.5"),
+        ("chat", {"logit_bias": {"5x": 1}}, "logit_bias"),
         ("chat", {"allowed_token_ids": []}, "allowed_token_ids"),
         ("completions", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
         ("chat", {"cache_salt": ""}, "cache_salt"),
@@ -175,7 +179,7 @@ def test_field_errors_across_fields_name_the_field(processor):
 def test_vllm_fields_reach_the_engine_params(processor):
     body = {"prompt": "word " * 400, "truncate_prompt_tokens": 10, "best_of": 1, "top_k": 0,
             "use_beam_search": False, "allowed_token_ids": [5, 6], "bad_words": ["x"],
-            "cache_salt": "tenant-1", "echo": True, "logprobs": 2, "prompt_logprobs": 1,
+            "cache_salt": "tenant-1", "logit_bias": {"5": -2.5, "0007": 100}, "echo": True, "logprobs": 2, "prompt_logprobs": 1,
             "max_tokens": 0, "unknown_field": 1, "add_special_tokens": True, "guided_json": None}
     prompts, params = _handle(processor, "completions", json.dumps(body).encode())
     tok = processor.tokenizer
@@ -184,6 +188,7 @@ def test_vllm_fields_reach_the_engine_params(processor):
     assert (sp.top_k, sp.max_tokens, sp.prompt_logprobs, sp.logprobs) == (0, 0, 2, 2)
     assert (sp.truncate_prompt_tokens, sp.allowed_token_ids, sp.bad_words, sp.cache_salt) == (
         10, [5, 6], ["x"], "tenant-1")
+    assert sp.logit_bias == {5: -2.5, 7: 100.0}
     chat = {"messages": [{"role": "user", "content": "Hi " * 300}], "truncate_prompt_tokens": 5}
     assert [len(ids) for ids in _handle(processor, "chat", json.dumps(chat).encode())[0]] == [5]
 
