@@ -70,3 +70,16 @@ def check_chat_options(add_generation_prompt: bool, continue_final_message: bool
     if reserved:
         raise FieldError("chat_template_kwargs", f"must not set {', '.join(reserved)} (set "
                          "through the request's own fields or by the server)")
+
+
+def text_parts_only(content: Any) -> Any:
+    """A message's content as a list may hold only text parts (this server serves text
+    models): ``ValueError`` naming the other part types, before the request model's own
+    union check would report them as "not a valid string"."""
+    if isinstance(content, list):
+        kinds = sorted({p["type"] for p in content if isinstance(p, dict)
+                        and isinstance(p.get("type"), str)} - {"text"})
+        if kinds:
+            raise ValueError(f"only text parts are supported (a text model), got parts of type "
+                             f"{', '.join(map(repr, kinds))}")
+    return content

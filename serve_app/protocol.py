@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import BeforeValidator, Field, ValidationError, model_validator
 
 from engine.layers.logits_processors import MAX_BIAS
 from engine.sampling_params import (
@@ -25,7 +25,7 @@ from engine.sampling_params import (
     SamplingParams,
 )
 from engine.structured_output import StructuredOutputsParams
-from serve_app.chat_template import check_chat_options
+from serve_app.chat_template import check_chat_options, text_parts_only
 from serve_app.constraints import ResponseFormat, StructuredOutputs, constraint
 from serve_app.errors import APIError, FieldError, StrictModel, from_validation_error
 from serve_app.tools import (
@@ -162,7 +162,7 @@ class TextPart(StrictModel):
 
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Annotated[str | list[TextPart] | None, BeforeValidator(text_parts_only)] = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool's result: the call it answers

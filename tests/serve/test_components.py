@@ -217,6 +217,20 @@ def test_a_nested_check_names_its_field_once():
         "response_format.json_schema: is required when type is 'json_schema'")
 
 
+def test_chat_content_parts_other_than_text_are_named():
+    body = (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, '
+            b'{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}')
+    with pytest.raises(APIError) as err:
+        parse_request(ChatCompletionRequest, body)
+    assert (err.value.status, err.value.param) == (400, "messages.0.content")
+    assert "only text parts are supported (a text model), got parts of type 'image_url'" in \
+        err.value.message
+    ok = parse_request(ChatCompletionRequest, b'{"messages": [{"role": "user", "content": '
+                                              b'[{"type": "text", "text": "a"}, {"type": "text", '
+                                              b'"text": "b"}]}]}')
+    assert ok.messages[0].text() == "ab"
+
+
 def test_chat_request_rejects_unknown_role():
     with pytest.raises(APIError) as err:
         parse_request(ChatCompletionRequest, b'{"messages": [{"role": "wizard", "content": "x"}]}')
