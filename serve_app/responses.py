@@ -1,7 +1,10 @@
 """OpenAI response bodies: completion and chat, streamed chunks and final JSON.
 
 A formatter turns ``Delta`` lists from ``ResponseStream`` into chunk dicts (streaming) or
-collects them into the final response. Plain dicts: no per-token pydantic objects.
+collects them into the final response. Plain dicts: no per-token pydantic objects. With vLLM's
+``return_token_ids`` (a formatter given ``prompt_token_ids``) choices carry their ``token_ids``
+(in a stream: each chunk's new ones) and the prompt's ids come once: on each completion choice,
+at the top of a chat response (in a stream: on the first chunk), where vLLM puts them.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ class _Format:
         self._finish: list[str | None] = [None] * num_choices
         self._stop_reason: list[int | str | None] = [None] * num_choices
         self._logprobs: list[list[LogprobEntry]] = [[] for _ in range(num_choices)]
+        self._prompt_ids: list[list[int]] | None = None  # per prompt; None: ids not asked for
+        self._ids: list[list[int]] = [[] for _ in range(num_choices)]  # (when asked for)
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]], usage: Usage | None = None) -> dict[str, Any]:
         body = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -58,6 +63,12 @@ class _Format:
                 self._stop_reason[d.index] = d.stop_reason
             if d.logprobs:
                 self._logprobs[d.index].extend(d.logprobs)
+            if self._prompt_ids is not None:
+                self._ids[d.index].extend(d.token_ids)
+
+    def _token_ids(self, ids: list[int]) -> dict[str, Any]:
+        """A choice's ``token_ids`` field, when asked for."""
+        return {} if self._prompt_ids is None else {"token_ids": ids}
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -72,8 +83,10 @@ class CompletionFormat(_Format):
 
     def __init__(self, *args: Any, echo_texts: list[str] | None = None,
                  want_logprobs: bool = False, n: int = 1, echo_logprobs: int | None = None,
-                 prompt_logprobs: bool = False) -> None:
+                 prompt_logprobs: bool = False,
+                 prompt_token_ids: list[list[int]] | None = None) -> None:
         super().__init__(*args)
+        self._prompt_ids = prompt_token_ids
         self._want_logprobs = want_logprobs
         self._echo_logprobs = echo_logprobs  # top-N of the echoed prompt (echo and logprobs)
         self._prompt_logprobs = prompt_logprobs  # the prompt_logprobs field in each choice
@@ -81,6 +94,7 @@ class CompletionFormat(_Format):
         self._echoed: set[int] = set()
         self._n = n
         self._offsets = [0] * len(self._texts)  # text_offset of the next streamed token
+        self._ids_started: set[int] = set()  # choices whose prompt ids were streamed
 
     def _echo_for(self, index: int) -> str:
         if self._echo is None or index in self._echoed:
@@ -95,8 +109,18 @@ class CompletionFormat(_Format):
             logprobs = self._logprobs_obj(d.logprobs, self._offsets[d.index])
             self._offsets[d.index] += len(text)
             choices.append({"index": d.index, "text": text, "logprobs": logprobs,
-                            "finish_reason": d.finish_reason, "stop_reason": d.stop_reason})
+                            "finish_reason": d.finish_reason, "stop_reason": d.stop_reason,
+                            **self._ids_of(d.index, d.token_ids, streamed=True)})
         return self._envelope(self.object_chunk, choices)
+
+    def _ids_of(self, index: int, ids: list[int], streamed: bool = False) -> dict[str, Any]:
+        """``prompt_token_ids`` (once per streamed choice) and ``token_ids``, if asked for."""
+        if self._prompt_ids is None:
+            return {}
+        first = not streamed or index not in self._ids_started
+        self._ids_started.add(index)
+        return {**({"prompt_token_ids": self._prompt_ids[index // self._n]} if first else {}),
+                "token_ids": ids}
 
     def collect(self, deltas: list[Delta]) -> None:
         for d in deltas:
@@ -105,7 +129,8 @@ class CompletionFormat(_Format):
 
     def stream_chunks(self, deltas: list[Delta]) -> list[dict[str, Any]]:
         kept = [d for d in deltas if d.text or d.finish_reason or d.logprobs
-                or (self._echo is not None and d.index not in self._echoed)]
+                or (self._echo is not None and d.index not in self._echoed)
+                or (self._prompt_ids is not None and d.token_ids)]
         return [self.chunk(kept)] if kept else []
 
     def final(self, usage: Usage, prompts: list[Prompt] | None = None) -> dict[str, Any]:
@@ -121,6 +146,7 @@ class CompletionFormat(_Format):
                                                    choice["logprobs"], self.token_text)
             if self._prompt_logprobs:
                 choice["prompt_logprobs"] = prompt_logprobs_json(prompt[1] or [], self.token_text)
+            choice.update(self._ids_of(i, self._ids[i]))
         return self._envelope(self.object_final, choices, usage)
 
     def _logprobs_obj(self, entries: list[LogprobEntry] | None, offset: int) -> dict[str, Any] | None:
@@ -143,8 +169,10 @@ class ChatFormat(_Format):
     object_final = "chat.completion"
 
     def __init__(self, *args: Any, want_logprobs: bool = False,
-                 tools: ToolPlan | None = None, prompt_logprobs: bool = False) -> None:
+                 tools: ToolPlan | None = None, prompt_logprobs: bool = False,
+                 prompt_token_ids: list[list[int]] | None = None) -> None:
         super().__init__(*args)
+        self._prompt_ids = prompt_token_ids
         self._want_logprobs = want_logprobs
         self._prompt_logprobs = prompt_logprobs  # the response's prompt_logprobs field
         self._tools = tools  # text is held back and parsed for calls when a choice ends
@@ -152,13 +180,19 @@ class ChatFormat(_Format):
     def role_chunk(self, num_choices: int) -> dict[str, Any]:
         choices = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None, "stop_reason": None} for i in range(num_choices)]
-        return self._envelope(self.object_chunk, choices)
+        return self._with_prompt_ids(self._envelope(self.object_chunk, choices))
+
+    def _with_prompt_ids(self, body: dict[str, Any]) -> dict[str, Any]:
+        if self._prompt_ids is not None:
+            body["prompt_token_ids"] = self._prompt_ids[0]
+        return body
 
     def chunk(self, deltas: list[Delta]) -> dict[str, Any]:
         """Content deltas; finish reasons go in a separate last chunk (``finish_chunk``)."""
         choices = [{"index": d.index, "delta": {"content": d.text},
                     "logprobs": self._logprobs_obj(d.logprobs), "finish_reason": None,
-                    "stop_reason": None} for d in deltas if d.text or d.logprobs]
+                    "stop_reason": None, **self._token_ids(d.token_ids)} for d in deltas
+                   if d.text or d.logprobs or (self._prompt_ids is not None and d.token_ids)]
         return self._envelope(self.object_chunk, choices)
 
     def finish_chunk(self, deltas: list[Delta]) -> dict[str, Any]:
@@ -179,8 +213,9 @@ class ChatFormat(_Format):
             message, finish = self._message(i)
             choices.append({"index": i, "message": message,
                             "logprobs": self._logprobs_obj(self._logprobs[i]),
-                            "finish_reason": finish, "stop_reason": self._stop_reason[i]})
-        body = self._envelope(self.object_final, choices, usage)
+                            "finish_reason": finish, "stop_reason": self._stop_reason[i],
+                            **self._token_ids(self._ids[i])})
+        body = self._with_prompt_ids(self._envelope(self.object_final, choices, usage))
         if self._prompt_logprobs:
             lps = prompts[0][1] if prompts else None
             body["prompt_logprobs"] = prompt_logprobs_json(lps or [], self.token_text)
@@ -215,9 +250,9 @@ class ChatFormat(_Format):
                     out.append(self._envelope(self.object_chunk, [
                         {"index": d.index, "delta": part, "logprobs": None,
                          "finish_reason": None, "stop_reason": None}]))
-            out.append(self._envelope(self.object_chunk, [
+            out.append(self._envelope(self.object_chunk, [  # the choice's ids, held too
                 {"index": d.index, "delta": {}, "logprobs": None, "finish_reason": finish,
-                 "stop_reason": d.stop_reason}]))
+                 "stop_reason": d.stop_reason, **self._token_ids(self._ids[d.index])}]))
         return out
 
     def _logprobs_obj(self, entries: list[LogprobEntry] | None) -> dict[str, Any] | None:

@@ -133,7 +133,8 @@ class Router(RouterEndpoints):
                                len(prompts) * req.n, system_fingerprint(p), n=req.n,
                                want_logprobs=req.logprobs is not None, echo_texts=echo,
                                echo_logprobs=req.logprobs if req.echo else None,
-                               prompt_logprobs=req.prompt_logprobs is not None)
+                               prompt_logprobs=req.prompt_logprobs is not None,
+                               prompt_token_ids=prompts if req.return_token_ids else None)
         return await self._run(p, req, prompts, params, fmt, req.logprobs, arrived)
 
     @api.post("/v1/chat/completions")
@@ -148,7 +149,8 @@ class Router(RouterEndpoints):
         ids, params, tools = await self._off_loop(p.prepare_chat, req)
         fmt = ChatFormat(_response_id("chatcmpl", request), p.model_name, p.tokenizer, req.n,
                          system_fingerprint(p), want_logprobs=req.logprobs, tools=tools,
-                         prompt_logprobs=req.prompt_logprobs is not None)
+                         prompt_logprobs=req.prompt_logprobs is not None,
+                         prompt_token_ids=[ids] if req.return_token_ids else None)
         return await self._run(p, req, [ids], params, fmt, req.num_logprobs(), arrived)
 
     # ---- request flow ----------------------------------------------------------------------

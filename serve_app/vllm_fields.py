@@ -41,7 +41,6 @@ NO_OP: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
     "echo": _is(False),  # chat's (completions implement theirs)
     "priority": _is(0),
     "return_tokens_as_token_ids": _is(False),
-    "return_token_ids": _is(False),
     # vLLM's defaults: true for completions, false for chat
     "add_special_tokens": lambda v, body: v is None or v is ("messages" not in body),
     **{name: _is() for name in (
@@ -89,6 +88,8 @@ class VLLMExtensions(StrictModel):
                                         "never generated (as vLLM tokenizes them).")
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_WORD_LEN, description=
                                    "Prefix-cache blocks are shared only with the same salt.")
+    return_token_ids: bool = Field(False, description="Choices carry their token ids, and the "
+                                   "response the prompt's (streams: on the first chunk).")
 
     @model_validator(mode="before")
     @classmethod

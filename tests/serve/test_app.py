@@ -387,6 +387,34 @@ def test_logit_bias_as_openai_clients_send_it(url, offline):
         assert _error(resp, 400)["param"] == param
 
 
+def test_return_token_ids_as_vllm_gives_them(url, offline):
+    """``return_token_ids``: each completion choice has its prompt's ids and its own, the
+    offline engine's tokens; a chat stream sends the prompt's ids first, then each chunk's."""
+    from engine import SamplingParams
+
+    client = _client(url)
+    prompts = [list(range(80, 90)), list(range(90, 97))]
+    out = client.completions.create(model=None, prompt=prompts, max_tokens=4, temperature=0.0,
+                                    extra_body={"return_token_ids": True, "ignore_eos": True})
+    refs = offline.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(
+        max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    got = [(c.model_extra["prompt_token_ids"], c.model_extra["token_ids"]) for c in out.choices]
+    assert got == [(p, list(r.outputs[0].token_ids)) for p, r in zip(prompts, refs, strict=True)]
+    messages = [{"role": "user", "content": "Count: one two"}]
+    ids = httpx.post(f"{url}/tokenize", json={"messages": messages}, timeout=60).json()["tokens"]
+    ref = offline.generate({"prompt_token_ids": ids}, SamplingParams(
+        max_tokens=5, temperature=0.0, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    chunks = list(client.chat.completions.create(
+        model=None, messages=messages, max_tokens=5, temperature=0.0, stream=True,
+        extra_body={"return_token_ids": True, "ignore_eos": True}))
+    assert chunks[0].model_extra["prompt_token_ids"] == ids
+    streamed = [t for c in chunks for ch in c.choices for t in ch.model_extra.get("token_ids") or []]
+    assert streamed == list(ref.token_ids)
+    assert "".join(ch.delta.content or "" for c in chunks for ch in c.choices) == ref.text
+    plain = client.completions.create(model=None, prompt=prompts[0], max_tokens=1)
+    assert "token_ids" not in (plain.choices[0].model_extra or {})
+
+
 # ---- concurrency -----------------------------------------------------------------------------
 
 async def _stream_completion(client: httpx.AsyncClient, prefix: str, max_tokens: int,
