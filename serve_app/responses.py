@@ -44,6 +44,7 @@ class _Format:
         self._logprobs: list[list[LogprobEntry]] = [[] for _ in range(num_choices)]
         self._prompt_ids: list[list[int]] | None = None  # per prompt; None: ids not asked for
         self._ids: list[list[int]] = [[] for _ in range(num_choices)]  # (when asked for)
+        self.tokens_as_ids = False  # vLLM's return_tokens_as_token_ids: "token_id:<id>"
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]], usage: Usage | None = None) -> dict[str, Any]:
         body = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -76,6 +77,10 @@ class _Format:
             text = self._tokenizer.decode([token_id])
             self._token_text[token_id] = text
         return text
+
+    def logprob_token(self, token_id: int) -> str:
+        """A token as logprobs name it: its text, or ``token_id:<id>`` when asked for."""
+        return f"token_id:{token_id}" if self.tokens_as_ids else self.token_text(token_id)
 
 
 class CompletionFormat(_Format):
@@ -143,7 +148,7 @@ class CompletionFormat(_Format):
             prompt = prompts[i // self._n] if prompts else ([], None)
             if self._echo_logprobs is not None and prompt[1] is not None:
                 choice["logprobs"] = echo_logprobs(prompt, self._echo_logprobs,
-                                                   choice["logprobs"], self.token_text)
+                                                   choice["logprobs"], self.logprob_token)
             if self._prompt_logprobs:
                 choice["prompt_logprobs"] = prompt_logprobs_json(prompt[1] or [], self.token_text)
             choice.update(self._ids_of(i, self._ids[i]))
@@ -154,10 +159,10 @@ class CompletionFormat(_Format):
             return None
         tokens, token_lps, tops, offsets = [], [], [], []
         for tok, lp, top in entries or ():
-            text = self.token_text(tok)
+            text = self.logprob_token(tok)
             tokens.append(text)
             token_lps.append(_finite(lp))
-            tops.append({self.token_text(t): _finite(v) for t, v in top.items()})
+            tops.append({self.logprob_token(t): _finite(v) for t, v in top.items()})
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
@@ -265,7 +270,7 @@ class ChatFormat(_Format):
         return {"content": content}
 
     def _token(self, tok: int, lp: float) -> dict[str, Any]:
-        text = self.token_text(tok)
+        text = self.logprob_token(tok)
         return {"token": text, "logprob": _finite(lp), "bytes": list(text.encode("utf-8"))}
 
 

@@ -135,6 +135,7 @@ class Router(RouterEndpoints):
                                echo_logprobs=req.logprobs if req.echo else None,
                                prompt_logprobs=req.prompt_logprobs is not None,
                                prompt_token_ids=prompts if req.return_token_ids else None)
+        fmt.tokens_as_ids = req.return_tokens_as_token_ids
         return await self._run(p, req, prompts, params, fmt, req.logprobs, arrived)
 
     @api.post("/v1/chat/completions")
@@ -151,6 +152,7 @@ class Router(RouterEndpoints):
                          system_fingerprint(p), want_logprobs=req.logprobs, tools=tools,
                          prompt_logprobs=req.prompt_logprobs is not None,
                          prompt_token_ids=[ids] if req.return_token_ids else None)
+        fmt.tokens_as_ids = req.return_tokens_as_token_ids
         return await self._run(p, req, [ids], params, fmt, req.num_logprobs(), arrived)
 
     # ---- request flow ----------------------------------------------------------------------

@@ -40,7 +40,6 @@ NO_OP: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
     "include_reasoning": _is(True),
     "echo": _is(False),  # chat's (completions implement theirs)
     "priority": _is(0),
-    "return_tokens_as_token_ids": _is(False),
     # vLLM's defaults: true for completions, false for chat
     "add_special_tokens": lambda v, body: v is None or v is ("messages" not in body),
     **{name: _is() for name in (
@@ -90,6 +89,8 @@ class VLLMExtensions(StrictModel):
                                    "Prefix-cache blocks are shared only with the same salt.")
     return_token_ids: bool = Field(False, description="Choices carry their token ids, and the "
                                    "response the prompt's (streams: on the first chunk).")
+    return_tokens_as_token_ids: bool = Field(False, description="Logprobs name tokens as "
+                                             "'token_id:<id>' instead of their text.")
 
     @model_validator(mode="before")
     @classmethod

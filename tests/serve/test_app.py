@@ -389,7 +389,8 @@ def test_logit_bias_as_openai_clients_send_it(url, offline):
 
 def test_return_token_ids_as_vllm_gives_them(url, offline):
     """``return_token_ids``: each completion choice has its prompt's ids and its own, the
-    offline engine's tokens; a chat stream sends the prompt's ids first, then each chunk's."""
+    offline engine's tokens; a chat stream sends the prompt's ids first, then each chunk's.
+    ``return_tokens_as_token_ids``: logprobs name tokens ``token_id:<id>``."""
     from engine import SamplingParams
 
     client = _client(url)
@@ -413,6 +414,18 @@ def test_return_token_ids_as_vllm_gives_them(url, offline):
     assert "".join(ch.delta.content or "" for c in chunks for ch in c.choices) == ref.text
     plain = client.completions.create(model=None, prompt=prompts[0], max_tokens=1)
     assert "token_ids" not in (plain.choices[0].model_extra or {})
+    named = client.completions.create(model=None, prompt=prompts[0], max_tokens=4, logprobs=2,
+                                      echo=True, temperature=0.0, extra_body={
+                                          "return_tokens_as_token_ids": True, "ignore_eos": True})
+    lps = named.choices[0].logprobs
+    assert lps.tokens == [f"token_id:{t}" for t in prompts[0] + list(refs[0].outputs[0].token_ids)]
+    assert all(k.startswith("token_id:") for top in lps.top_logprobs[1:] for k in top)
+    chat = client.chat.completions.create(model=None, messages=messages, max_tokens=2,
+                                          logprobs=True, top_logprobs=1, temperature=0.0,
+                                          extra_body={"return_tokens_as_token_ids": True,
+                                                      "ignore_eos": True})
+    assert [e.token for e in chat.choices[0].logprobs.content] == [
+        f"token_id:{t}" for t in ref.token_ids[:2]]
 
 
 # ---- concurrency -----------------------------------------------------------------------------

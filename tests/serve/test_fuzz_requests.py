@@ -51,7 +51,7 @@ COMMON = ["model", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop"
           "max_tokens", "response_format", "structured_outputs",
           # vLLM's: implemented, then refused unless their value changes nothing
           "prompt_logprobs", "truncate_prompt_tokens", "allowed_token_ids", "bad_words",
-          "cache_salt", "return_token_ids", "best_of", "use_beam_search", "guided_json",
+          "cache_salt", "return_token_ids", "return_tokens_as_token_ids", "best_of", "use_beam_search", "guided_json",
           "length_penalty"]
 FIELDS = {
     "completions": COMMON + ["prompt", "logprobs", "echo", "suffix"],
