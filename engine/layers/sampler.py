@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.layers.logits_processors import apply_logit_bias, apply_request_masks
+from engine.layers.logits_processors import RowTensors
 from engine.outputs import Logprob, Logprobs
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -38,9 +38,11 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.row_generators: dict[str, torch.Generator] = {}
+        self.row_tensors = RowTensors()  # allowed ids and logit bias, per running request
 
     def forget(self, request_id: str) -> None:
         self.row_generators.pop(request_id, None)
+        self.row_tensors.forget(request_id)
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request],
                  prompt_rows: Sequence[tuple[Request, int]] = ()) -> SamplerOutput:
@@ -70,12 +72,12 @@ class Sampler:
         if constrained:
             mask_logits(logits, grammars, native_mask)
         if biased:  # before the penalties, as vLLM
-            apply_logit_bias(logits, reqs)
+            self.row_tensors.apply_logit_bias(logits, reqs)
         if penalties:
             logits = logits.clone()
             self._apply_penalties(logits, reqs)
         self._mask_early_stop(logits, reqs)
-        apply_request_masks(logits, reqs)
+        self.row_tensors.apply_masks(logits, reqs)
         if all_greedy:
             tokens = ops.greedy_tokens(logits)  # the first maximum, as argmax
         else:

@@ -153,6 +153,21 @@ def test_logit_bias_shifts_the_logits_before_sampling(llm, hf_logprobs):
     while engine.has_unfinished():
         done.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
     assert done == {"biased": [7] * 6, "plain": plain}
+    # the rows' tensors are built once and dropped with their request: an id used again
+    # gets its own bias, and an aborted request leaves nothing behind
+    rows = engine.runner.sampler.row_tensors
+    assert len(rows) == 0
+    for token in (9, 12):
+        engine.add_request("again", {"prompt_token_ids": PROMPT}, SamplingParams(
+            max_tokens=2, logit_bias={token: 100.0}, allowed_token_ids=[9, 12], **GREEDY))
+        outs = [o for _ in range(3) for o in engine.step() if o.finished]
+        assert outs[0].outputs[0].token_ids == [token] * 2
+    engine.add_request("dropped", {"prompt_token_ids": PROMPT},
+                       SamplingParams(max_tokens=8, logit_bias={7: 1.0}, **GREEDY))
+    engine.step()
+    assert len(rows) == 1
+    engine.abort("dropped")
+    assert len(rows) == 0 and not engine.has_unfinished()
 
 
 @pytest.mark.parametrize("bias, message", [
