@@ -1,5 +1,6 @@
-"""The app's ``chat_template`` setting (vLLM's ``--chat-template``) and a request's
-``chat_template_kwargs``: what reaches transformers' ``apply_chat_template``.
+"""The app's ``chat_template`` setting (vLLM's ``--chat-template``), a request's messages
+(``ChatMessage``) and ``chat_template_kwargs``: what reaches transformers'
+``apply_chat_template``.
 
 The setting is a file's path or the template itself; a file is read once, when the app's
 config is validated (``build_app``), so its text travels with the config to every Router
@@ -9,7 +10,12 @@ replica and the file needs to exist only where the app is built.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator
+
+from serve_app.errors import StrictModel
+from serve_app.tools import ToolCall, template_arguments
 
 # characters only a Jinja template has (vLLM tells a path from a template by them, too)
 _JINJA_CHARS = "{}\n"
@@ -83,3 +89,37 @@ def text_parts_only(content: Any) -> Any:
             raise ValueError(f"only text parts are supported (a text model), got parts of type "
                              f"{', '.join(map(repr, kinds))}")
     return content
+
+
+class TextPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(StrictModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[str | list[TextPart] | None, BeforeValidator(text_parts_only)] = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates take it: calls' arguments as objects (templates
+        print them with ``tojson``), the tool result's call id."""
+        msg: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            msg["name"] = self.name
+        if self.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": template_arguments(c.function.arguments)}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        return msg
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)

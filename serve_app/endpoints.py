@@ -21,9 +21,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import Field, ValidationError, model_validator
 
+from serve_app.chat_template import ChatMessage
 from serve_app.errors import APIError, FieldError, StrictModel, from_validation_error
 from serve_app.prompts import PromptProcessor
-from serve_app.protocol import ChatMessage, TokenIds
+from serve_app.protocol import TokenIds
 from serve_app.tools import Tool
 
 routes = APIRouter()

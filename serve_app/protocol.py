@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BeforeValidator, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from engine.layers.logits_processors import MAX_BIAS
 from engine.sampling_params import (
@@ -25,17 +25,15 @@ from engine.sampling_params import (
     SamplingParams,
 )
 from engine.structured_output import StructuredOutputsParams
-from serve_app.chat_template import check_chat_options, text_parts_only
+from serve_app.chat_template import ChatMessage, check_chat_options
 from serve_app.constraints import ResponseFormat, StructuredOutputs, constraint
 from serve_app.errors import APIError, FieldError, StrictModel, from_validation_error
 from serve_app.tools import (
     MAX_TOOLS,
     NamedToolChoice,
     Tool,
-    ToolCall,
     ToolChoice,
     ToolPlan,
-    template_arguments,
 )
 from serve_app.vllm_fields import MAX_ALLOWED_IDS, VLLMExtensions
 
@@ -49,6 +47,8 @@ BiasValue = Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS, allow_inf_nan=Fals
 
 class StreamOptions(StrictModel):
     include_usage: bool = Field(False, description="Send a final chunk with token usage.")
+    continuous_usage_stats: bool = Field(False, description="vLLM's: with include_usage, "
+                                         "every chunk carries the usage so far.")
 
 
 class _Sampling(VLLMExtensions):
@@ -104,6 +104,11 @@ class _Sampling(VLLMExtensions):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def usage_in_every_chunk(self) -> bool:
+        return self.include_usage and bool(self.stream_options and
+                                           self.stream_options.continuous_usage_stats)
+
     def logit_bias_ids(self) -> dict[int, float] | None:
         return None if self.logit_bias is None else {
             int(k): v for k, v in self.logit_bias.items()}
@@ -153,40 +158,6 @@ class CompletionRequest(_Sampling):
         if isinstance(p[0], int):
             return [p]
         return list(p)
-
-
-class TextPart(StrictModel):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(StrictModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Annotated[str | list[TextPart] | None, BeforeValidator(text_parts_only)] = None
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
-    tool_call_id: str | None = None  # a tool's result: the call it answers
-
-    def template_dict(self) -> dict[str, Any]:
-        """The message as chat templates take it: calls' arguments as objects (templates
-        print them with ``tojson``), the tool result's call id."""
-        msg: dict[str, Any] = {"role": self.role, "content": self.text()}
-        if self.name is not None:
-            msg["name"] = self.name
-        if self.tool_calls:
-            msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": template_arguments(c.function.arguments)}}
-                for c in self.tool_calls]
-        if self.tool_call_id is not None:
-            msg["tool_call_id"] = self.tool_call_id
-        return msg
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(_Sampling):

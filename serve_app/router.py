@@ -194,12 +194,16 @@ class Router(RouterEndpoints):
 
     async def _sse(self, req: Any, stream: ResponseStream, fmt: Any,
                    engine_reqs: list[EngineRequest]) -> Any:
+        def sse_chunk(chunk: dict[str, Any]) -> str:  # vLLM's continuous_usage_stats
+            return sse({**chunk, "usage": stream.usage.as_dict()} if req.usage_in_every_chunk
+                       else chunk)
+
         try:
             if isinstance(fmt, ChatFormat):
-                yield sse(fmt.role_chunk(len(engine_reqs) * req.n))
+                yield sse_chunk(fmt.role_chunk(len(engine_reqs) * req.n))
             async for deltas in stream.deltas():
                 for chunk in fmt.stream_chunks(deltas):
-                    yield sse(chunk)
+                    yield sse_chunk(chunk)
             if req.include_usage:
                 yield sse(fmt.usage_chunk(stream.usage))
             yield SSE_DONE

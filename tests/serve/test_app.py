@@ -244,6 +244,16 @@ def test_chat_stream_wire_format(url):
     assert chunks[-2]["choices"][0]["delta"] == {}
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[1:-2])
     assert chunks[-1]["usage"]["completion_tokens"] == 6
+    assert all("usage" not in c for c in chunks[:-1])
+    body["stream_options"]["continuous_usage_stats"] = True  # vLLM's: usage on every chunk
+    resp = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    chunks = [json.loads(line[6:]) for line in resp.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    prompt = chunks[-1]["usage"]["prompt_tokens"]
+    assert counts[0] == 0 and counts[-1] == 6 and counts == sorted(counts)
+    assert all(c["usage"]["prompt_tokens"] == prompt and c["usage"]["total_tokens"] ==
+               prompt + c["usage"]["completion_tokens"] for c in chunks)
 
 
 def test_stop_string_aborts_at_the_worker(url, offline):
