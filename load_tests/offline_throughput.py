@@ -3,7 +3,9 @@ static batches and, given a Python that has vLLM's CPU build (``--vllm-python``)
 subprocess.
 
 Workload: ``--num-prompts`` requests (128), prompt lengths uniform in 32..512 random token ids,
-output lengths uniform in 16..256, ``ignore_eos``, greedy, fixed seed. Request ``i`` is the same
+output lengths uniform in 16..256, ``ignore_eos``, greedy (``--sampling``: what a model's
+generation_config makes a request sample with, e.g. Qwen2.5-Instruct's temperature 0.7, top-p
+0.8, top-k 20, repetition penalty 1.05; the same for every backend), fixed seed. Request ``i`` is the same
 whatever ``--num-prompts`` is, so a smaller run is a prefix of the full one. The checkpoint is a
 random-weight Qwen2 in bfloat16, built once into the cache folder: the Qwen2.5-0.5B shape
 (``--model-size 0.5b``) or a tiny one for quick runs (``--model-size tiny``); or a small
@@ -60,6 +62,13 @@ MODEL_SHAPES = {
 TOKENIZER_SKIP = {"config.json", "generation_config.json", "model.safetensors"}
 RESULT_TAG = "OFFLINE_THROUGHPUT_RESULT "
 CPU_CLASSES = ("generic", "avx2", "avx512", "avx512_bf16", "amx")  # kernels/cpu_isa.py
+# --sampling: SamplingParams fields (vLLM's names; Hugging Face's generate takes the same)
+SAMPLINGS = {
+    "greedy": {"temperature": 0.0},
+    "temperature": {"temperature": 1.0},
+    "llama3": {"temperature": 0.6, "top_p": 0.9},  # Llama-3.x-Instruct's generation_config
+    "qwen2.5": {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05},
+}
 
 
 # ----------------------------------------------------------------------------- workload
@@ -213,8 +222,8 @@ class EngineBackend:
     def _generate(self, wl: Workload, use_tqdm: bool) -> None:
         from engine import SamplingParams
 
-        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
-                                 detokenize=False) for n in wl.output_lens]
+        params = [SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False,
+                                 **SAMPLINGS[self.args.sampling]) for n in wl.output_lens]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in wl.prompts], params,
                                  use_tqdm=use_tqdm)
         if [len(o.outputs[0].token_ids) for o in outs] != wl.output_lens:
@@ -250,6 +259,9 @@ class HFBackend:
 
         torch.set_num_threads(args.threads)
         self.args = args
+        sampling = SAMPLINGS[args.sampling]
+        self.sampling = {"do_sample": False} if sampling["temperature"] == 0 else {
+            "do_sample": True, **sampling}
         self.model = AutoModelForCausalLM.from_pretrained(
             path, dtype=getattr(torch, args.dtype)).eval()
         self._batch(WARMUP, [0, 1])
@@ -282,7 +294,7 @@ class HFBackend:
         new = max(wl.output_lens[i] for i in idx)
         with torch.inference_mode():
             out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
-                                      min_new_tokens=new, do_sample=False, pad_token_id=0)
+                                      min_new_tokens=new, pad_token_id=0, **self.sampling)
         if out.shape[1] != width + new:
             raise RuntimeError(f"HF generated {out.shape[1] - width} tokens, expected {new}")
 
@@ -295,9 +307,10 @@ VLLM_SCRIPT = r"""
 import json, sys, time
 from vllm import LLM, SamplingParams
 
+SAMPLING = {}
 
 def generate(llm, prompts, lens, use_tqdm):
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False, **SAMPLING)
               for n in lens]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=use_tqdm)
     if [len(o.outputs[0].token_ids) for o in outs] != lens:
@@ -306,6 +319,7 @@ def generate(llm, prompts, lens, use_tqdm):
 
 def main():  # under __main__: vLLM spawns its engine-core process
     spec = json.load(open(sys.argv[1]))
+    SAMPLING.update(spec["sampling"])
     llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
               max_num_seqs=spec["max_num_seqs"],
               max_num_batched_tokens=spec["max_num_batched_tokens"], seed=0)
@@ -341,7 +355,7 @@ class VLLMBackend:
             "model": str(path), "dtype": args.dtype, "max_model_len": args.max_model_len,
             "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
-            "warmup": {"prompts": WARMUP.prompts, "output_lens": WARMUP.output_lens}}))
+            "sampling": SAMPLINGS[args.sampling], "warmup": {"prompts": WARMUP.prompts, "output_lens": WARMUP.output_lens}}))
         self.proc = subprocess.Popen([args.vllm_python, str(script), str(spec)], env=env,
                                      cwd=self.tmp.name, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
@@ -642,6 +656,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the engine's linear weights (vLLM and HF run unquantized)")
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                    help="what the engine's KV cache holds (vLLM and HF: their default)")
+    p.add_argument("--sampling", choices=sorted(SAMPLINGS), default="greedy",
+                   help="every backend's sampling settings (not greedy: the tokens differ "
+                   "between backends, the work does not)")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
                    help="activations' dtype for every backend; auto: what the engine's "
                    "dtype=auto picks for the bf16 checkpoint on this (capped) CPU")
@@ -678,8 +695,8 @@ def run_rounds(backends: list, wl: Workload, args) -> dict[str, list[dict]]:
             load = os.getloadavg()[0]
             elapsed, extra = b.generate(work)
             res = result(b.name, args.model_size, work, elapsed, **extra,
-                         load_avg_1m_before=round(load, 2), dtype=args.dtype, cpu=args.cpu,
-                         threads=args.threads)
+                         load_avg_1m_before=round(load, 2), dtype=args.dtype,
+                         sampling=args.sampling, cpu=args.cpu, threads=args.threads)
             if args.rounds > 1:
                 res["round"] = r
             runs[b.name].append(res)

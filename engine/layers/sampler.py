@@ -2,12 +2,12 @@
 top-p / min-p, seeds, logprobs.
 
 The batch's work is done in a few tensor ops; per-row Python runs only for the rows that ask for
-penalties, a seed or one of vLLM's per-request processors (``logits_processors``). Sampling uses
-the exponential race (argmax of probs / Exp(1) noise), so a seeded row draws its noise from its
-own generator and gets the same tokens whatever else is in the batch. Logprobs are those of the
-raw model distribution (log-softmax of the logits before any processing: bias, penalties, masks), as
-vLLM returns by default; so are prompt logprobs, which the sampler writes onto their requests
-(``Request.prompt_logprobs``).
+penalties, a seed or one of vLLM's per-request processors (``logits_processors``). A sampled
+row's token is drawn by ``random_sample`` at one uniform number per row; a seeded row draws it
+from its own generator and gets the same tokens whatever else is in the batch. Logprobs are
+those of the raw model distribution (log-softmax of the logits before any processing: bias,
+penalties, masks), as vLLM returns by default; so are prompt logprobs, which the sampler writes
+onto their requests (``Request.prompt_logprobs``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.layers.logits_processors import RowTensors
+from engine.layers.random_sample import sample, sample_group
 from engine.outputs import Logprob, Logprobs
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -116,21 +117,14 @@ class Sampler:
         dev = logits.device
         greedy = torch.tensor([p.greedy for p in params], device=dev)
         temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
-        greedy_tokens = ops.greedy_tokens(logits)
-        logits = logits / temps.unsqueeze(1)
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            logits = _top_k_top_p(logits, params)
-        probs = torch.softmax(logits, dim=-1)
-        if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1)
-            probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        u = torch.rand(len(reqs), generator=self.generator, device=dev, dtype=torch.float64)
         for i, r in enumerate(reqs):
             seed = r.params.seed
             if seed is not None and not r.params.greedy:
-                noise[i].exponential_(generator=self._row_generator(r, seed))
-        sampled = ops.greedy_tokens(probs / noise)
-        return torch.where(greedy, greedy_tokens, sampled)
+                u[i] = torch.rand((), generator=self._row_generator(r, seed), device=dev,
+                                  dtype=torch.float64)
+        sampled = sample(logits / temps.unsqueeze(1), params, u)
+        return torch.where(greedy, ops.greedy_tokens(logits), sampled)
 
     def _row_generator(self, r: Request, seed: int) -> torch.Generator:
         gen = self.row_generators.get(r.request_id)
@@ -192,32 +186,16 @@ def add_prompt_logprobs(logits: torch.Tensor, prompt_rows: Sequence[tuple[Reques
         row += n
 
 
-def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    vocab = logits.shape[-1]
-    dev = logits.device
-    top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params],
-                         device=dev)
-    top_p = torch.tensor([p.top_p for p in params], device=dev)
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=dev).unsqueeze(0)
-    mask = ranks >= top_k.unsqueeze(1)
-    probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
-    before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
-    mask |= before >= top_p.unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
-
-
 def sample_peak(logits: torch.Tensor) -> torch.Tensor:
     """The temporaries of the heaviest sampling step for ``logits`` [rows, vocab]: float32
-    logprobs held through top-k, top-p and min-p filtering of every row (a full sort of the
-    vocabulary), softmax and noise. For the KV budget's profiling forward; returns the ids."""
+    logprobs held while every row takes the widest path, a top-p row whose nucleus is past
+    the probe (a sort of its whole vocabulary), then min-p and the draw. For the KV budget's
+    profiling forward; returns the ids."""
     logits = logits.float()
     raw = torch.log_softmax(logits, dim=-1)  # noqa: F841  (held to the end, as logprobs are)
-    params = [SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05)] * len(logits)
-    probs = torch.softmax(_top_k_top_p(logits / 0.7, params), dim=-1)
-    probs = probs.masked_fill(probs < 0.05 * probs.amax(dim=-1, keepdim=True), 0.0)
-    return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
+    params = [SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05)] * len(logits)
+    u = torch.rand(len(logits), device=logits.device, dtype=torch.float64)
+    return sample_group(logits / 0.7, params, u, logits.shape[-1])
 
 
 def mask_logits(logits: torch.Tensor, states: Sequence[GrammarState | None],
