@@ -62,11 +62,11 @@ _SIGNATURES = {
     "rms_norm_cpu": [_ptr] * 4 + [_c_i64, _c_int, _c_i64, _c_i64, _c_i64, _c_f, _c_int, _c_int],
     "silu_and_mul_cpu": [_ptr, _ptr, _c_i64, _c_int, _c_i64, _c_i64, _c_int, _c_int],
     "rotary_cpu": [_ptr] * 4 + [_c_i64, _c_int, _c_int, _c_int] + [_c_i64] * 3 + [_c_int] * 2,
-    "store_kv_cpu": [_ptr] * 5 + [_c_i64, _c_int, _c_int] + [_c_i64] * 4 + [_c_int] * 2
-    + [_c_f] * 2,
+    "store_kv_cpu": [_ptr] * 5 + [_c_i64, _c_int, _c_int] + [_c_i64] * 4 + [_c_int] * 2 + [_c_f] * 2,
     "int8_linear_cpu": [_ptr] * 6 + [_c_i64] * 5 + [_c_int, _c_int],
     "mask_logits_cpu": [_ptr, _c_i64, _ptr, _c_i64, _ptr, _c_i64, _c_i64, _c_int, _c_int],
     "argmax_rows_cpu": [_ptr, _ptr, _c_i64, _c_i64, _c_i64, _c_int, _c_int],
+    "top_p_threshold_cpu": [_ptr, _ptr, _c_i64, _c_i64, _c_i64, _ptr, _c_int],
     "dense_supported_cpu": [_c_int], "dense_pack_cpu": [_ptr, _ptr, _c_i64, _c_i64, _c_int, _c_int],
     "dense_linear_cpu": [_ptr] * 4 + [_c_i64] * 5 + [_c_int, _c_int],
     "dense_gated_supported_cpu": [_c_int, _c_i64],

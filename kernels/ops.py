@@ -217,6 +217,29 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per row of ``probs`` [rows, vocab] (float32, each row a distribution up to its total),
+    the smallest probability its top-p nucleus keeps (tokens from the most likely down, each
+    kept while the mass before it is below ``top_p`` [rows] times the total): every token with
+    probability >= it is in the nucleus. On CPU rows the C kernel (no sort of the vocabulary);
+    elsewhere a sort."""
+    if _use_cpu(probs) and probs.dtype == torch.float32 and _cpu.supports_mask(probs):
+        tau = torch.empty(probs.shape[0], dtype=torch.float32)
+        limits = top_p.to(torch.float32).contiguous()
+        _cpu.call("top_p_threshold_cpu", tau.data_ptr(), probs.data_ptr(), probs.shape[0],
+                  probs.shape[1], probs.stride(0), limits.data_ptr(), torch.get_num_threads())
+        return tau
+    return top_p_threshold_ref(probs, top_p)
+
+
+def top_p_threshold_ref(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    ranked = probs.sort(dim=-1, descending=True).values
+    before = ranked.double().cumsum(dim=-1) - ranked.double()
+    want = top_p.double() * probs.double().sum(dim=-1)
+    kept = (before < want.unsqueeze(1)).sum(dim=-1).clamp(min=1)
+    return ranked.gather(1, (kept - 1).unsqueeze(1)).squeeze(1)
+
+
 __all__ = [
     "BACKENDS",
     "backend",
@@ -234,4 +257,6 @@ __all__ = [
     "set_backend",
     "silu_and_mul",
     "store_kv_cache",
+    "top_p_threshold",
+    "top_p_threshold_ref",
 ]

@@ -5,13 +5,14 @@ A row's token is found by inverting its distribution's cumulative sum at a unifo
 order, so a row's token depends only on its own logits, settings and ``u`` (a seeded row draws
 ``u`` from its own generator: the same tokens whatever else is in the batch).
 
-Nothing here sorts a whole vocabulary unless it must. Rows are grouped by how many candidates
-they need: ``top_k`` (``torch.topk``, not a sort), ``PROBES`` for a top-p row without top-k (its
-nucleus is almost always within the most likely 1,024 tokens; when their mass is below
-``top_p`` the row looks at 16,384, then sorts its whole vocabulary), or none at all (plain
-temperature: the whole vocabulary, unsorted). On two Zen 4 cores, 32 rows of a 151,936-token vocabulary took 117 ms
-(temperature only) and 372 ms (top-k 20 or top-p 0.8) with an exponential race over the whole
-vocabulary after a full sort; see ``load_tests/sampling_bench.py`` for the figures now.
+Nothing here sorts a whole vocabulary. Rows are grouped by what they need: ``top_k``
+candidates (``torch.topk``, then top-p among them), a top-p nucleus without top-k (the smallest
+probability it keeps, from ``ops.top_p_threshold``: on a CPU a C kernel that histograms the
+probabilities instead of sorting them), or the whole vocabulary (plain temperature). The draw
+sums blocks of a row instead of taking a cumulative sum over all of it. On two Zen 4 cores, 32
+rows of a 151,936-token vocabulary took 124 ms (temperature only) and 389 ms (top-k 20 and
+top-p 0.8) with an exponential race over the whole vocabulary after a full sort; the figures
+now: ``load_tests/sampling_bench.py``.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from engine.sampling_params import SamplingParams
+from kernels import ops
 
-PROBES = (1024, 16384)  # candidates a top-p row without top-k looks at, widening, before
-# it sorts its whole vocabulary
 BLOCK = 1024  # a draw over more than 4 blocks finds its block first, then the token in it
+NUCLEUS = -1  # the group of top-p rows without top-k
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -36,13 +37,8 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     vocab = logits.shape[-1]
     groups: dict[int, list[int]] = {}
     for i, p in enumerate(params):
-        k = p.top_k if p.top_k > 0 else (PROBES[0] if p.top_p < 1.0 else 0)
-        groups.setdefault(min(k, vocab), []).append(i)
-    return _by_group(logits, params, u, groups)
-
-
-def _by_group(logits: torch.Tensor, params: Sequence[SamplingParams], u: torch.Tensor,
-              groups: dict[int, list[int]]) -> torch.Tensor:
+        k = min(p.top_k, vocab) if p.top_k > 0 else (NUCLEUS if p.top_p < 1.0 else 0)
+        groups.setdefault(k, []).append(i)
     if len(groups) == 1:
         ((k, _),) = groups.items()
         return sample_group(logits, params, u, k)
@@ -55,37 +51,19 @@ def _by_group(logits: torch.Tensor, params: Sequence[SamplingParams], u: torch.T
 
 def sample_group(logits: torch.Tensor, params: Sequence[SamplingParams], u: torch.Tensor,
                  k: int) -> torch.Tensor:
-    """``sample`` for rows that all look at their ``k`` most likely tokens (0: the whole
-    vocabulary, no top-k or top-p)."""
-    if k == 0:
-        return _draw(_min_p(torch.softmax(logits, dim=-1), params), u)
-    dev, vocab = logits.device, logits.shape[-1]
+    """``sample`` for rows that all take their ``k`` most likely tokens (then top-p among
+    them), or top-p rows without top-k (``NUCLEUS``), or the whole vocabulary (0)."""
+    dev = logits.device
+    top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float32)
+    if k <= 0:
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        if k == NUCLEUS:  # the nucleus: every token at least as likely as its last one
+            probs = probs.masked_fill(probs < ops.top_p_threshold(probs, top_p).unsqueeze(1), 0.0)
+        return _draw(_min_p(probs, params), u)
     vals, ids = logits.topk(k, dim=-1)  # descending
-    top_k = torch.tensor([p.top_k > 0 for p in params], device=dev)
-    top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=logits.dtype)
-    # top-p is measured on the top-k distribution where there is one, else on the whole one
-    norm = vals.logsumexp(dim=-1)
-    if not bool(top_k.all()):
-        norm = torch.where(top_k, norm, logits.logsumexp(dim=-1))
-    probs = (vals - norm.unsqueeze(1)).exp()
+    probs = torch.softmax(vals, dim=-1, dtype=torch.float32)
     keep = probs.cumsum(dim=-1) - probs < top_p.unsqueeze(1)  # mass before each token
-    if k == vocab:
-        return _pick(vals, ids, keep, params, u)
-    # a top-p row whose candidates hold less than top-p: its nucleus reaches past them
-    wider = (~top_k & (probs.sum(dim=-1) < top_p)).tolist()
-    if not any(wider):
-        return _pick(vals, ids, keep, params, u)
-    next_k = next((w for w in PROBES if w > k), vocab)
-    groups: dict[int, list[int]] = {}
-    for i, w in enumerate(wider):
-        groups.setdefault(min(next_k, vocab) if w else -1, []).append(i)
-    out = torch.empty(len(params), dtype=torch.long, device=dev)
-    for width, rows in groups.items():
-        idx = torch.tensor(rows, device=dev)
-        sub = [params[i] for i in rows]
-        out[idx] = (_pick(vals[idx], ids[idx], keep[idx], sub, u[idx]) if width < 0
-                    else sample_group(logits[idx], sub, u[idx], width))
-    return out
+    return _pick(vals, ids, keep, params, u)
 
 
 def _pick(vals: torch.Tensor, ids: torch.Tensor, keep: torch.Tensor,

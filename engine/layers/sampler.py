@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.layers.logits_processors import RowTensors
-from engine.layers.random_sample import sample, sample_group
+from engine.layers.random_sample import sample
 from engine.outputs import Logprob, Logprobs
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -187,15 +187,14 @@ def add_prompt_logprobs(logits: torch.Tensor, prompt_rows: Sequence[tuple[Reques
 
 
 def sample_peak(logits: torch.Tensor) -> torch.Tensor:
-    """The temporaries of the heaviest sampling step for ``logits`` [rows, vocab]: float32
-    logprobs held while every row takes the widest path, a top-p row whose nucleus is past
-    the probe (a sort of its whole vocabulary), then min-p and the draw. For the KV budget's
-    profiling forward; returns the ids."""
+    """The temporaries of a heavy sampling step for ``logits`` [rows, vocab]: float32 logprobs
+    held while every row takes its top-p nucleus (a sort of the vocabulary where no C kernel
+    runs), then min-p and the draw. For the KV budget's profiling forward; returns the ids."""
     logits = logits.float()
     raw = torch.log_softmax(logits, dim=-1)  # noqa: F841  (held to the end, as logprobs are)
     params = [SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05)] * len(logits)
     u = torch.rand(len(logits), device=logits.device, dtype=torch.float64)
-    return sample_group(logits / 0.7, params, u, logits.shape[-1])
+    return sample(logits / 0.7, params, u)
 
 
 def mask_logits(logits: torch.Tensor, states: Sequence[GrammarState | None],

@@ -267,3 +267,60 @@ int argmax_rows_cpu(int64_t *out, const void *logits, int64_t n, int64_t V, int6
         out[r] = argmax_row((const char *)logits + (size_t)(r * row_stride) * es, V, dtype);
     return 0;
 }
+
+/* Top-p (nucleus) thresholds. Row r's tokens, taken from the most likely down, are kept while
+ * the mass before them is below top_p[r] times the row's total; tau[r] is the smallest kept
+ * probability, so the nucleus is every token with probability >= tau[r] (ties with the last
+ * kept token included). No sort of the row: one pass adds each probability (float32, >= 0) to
+ * a histogram bucket named by its top 12 bits (exponent and 3 mantissa bits: buckets are in
+ * the values' order), a scan from the top bucket finds the one where the mass crosses top_p,
+ * and only that bucket's values are gathered and sorted. */
+#define TOP_P_BUCKETS 4096
+
+static int cmp_desc(const void *a, const void *b) {
+    const float x = *(const float *)a, y = *(const float *)b;
+    return (x < y) - (x > y);
+}
+
+static float top_p_row(const float *p, int64_t V, double top_p, float *gathered) {
+    double hist[TOP_P_BUCKETS] = {0}, total = 0.0;
+    for (int64_t v = 0; v < V; v++) {
+        uint32_t bits;
+        memcpy(&bits, p + v, 4);
+        hist[bits >> 20] += p[v];
+        total += p[v];
+    }
+    const double want = top_p * total;
+    double above = 0.0; /* the mass of the buckets above c */
+    int c = TOP_P_BUCKETS - 1;
+    for (; c > 0 && above + hist[c] < want; c--) above += hist[c];
+    int64_t m = 0;
+    for (int64_t v = 0; v < V; v++) {
+        uint32_t bits;
+        memcpy(&bits, p + v, 4);
+        if ((int)(bits >> 20) == c) gathered[m++] = p[v];
+    }
+    if (m == 0) return 0.0f; /* (rounding: no crossing) every token is kept */
+    qsort(gathered, (size_t)m, sizeof(float), cmp_desc);
+    float tau = gathered[0];
+    for (int64_t i = 0; i < m && above < want; i++) tau = gathered[i], above += gathered[i];
+    return tau;
+}
+
+int top_p_threshold_cpu(float *tau, const float *probs, int64_t n, int64_t V,
+                        int64_t row_stride, const float *top_p, int num_threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (n > 1)
+    {
+        float *gathered = malloc(sizeof(float) * (size_t)V);
+        if (!gathered) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t r = 0; r < n; r++)
+            if (gathered) tau[r] = top_p_row(probs + (size_t)(r * row_stride), V, top_p[r], gathered);
+        free(gathered);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,6 +1,7 @@
 """``engine.layers.random_sample``: the token a uniform draw picks, against a reference that
 sorts the whole vocabulary (top-k, then top-p on what top-k kept, then min-p), on every path:
-the whole vocabulary, ``torch.topk`` candidates, the top-p probe and its fallback."""
+the whole vocabulary, ``torch.topk`` candidates, the top-p nucleus (the C kernel's threshold and
+the sort that stands in for it elsewhere), the draw by blocks."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from engine.layers import random_sample
 from engine.layers.random_sample import _draw, sample
 from engine.sampling_params import SamplingParams
+from kernels import ops
 
 
 def reference(logits: torch.Tensor, p: SamplingParams, u: float) -> int:
@@ -64,32 +66,32 @@ PARAMS = [
     SamplingParams(temperature=1.0),
     SamplingParams(temperature=1.0, top_k=5),
     SamplingParams(temperature=1.0, top_k=20, top_p=0.5),
-    SamplingParams(temperature=1.0, top_p=0.3),  # a peaked row stays in the probe
-    SamplingParams(temperature=1.0, top_p=0.95),  # a flat row's nucleus is wider: it sorts all
+    SamplingParams(temperature=1.0, top_p=0.3),  # a peaked row: a token or two
+    SamplingParams(temperature=1.0, top_p=0.95),  # a flat row: most of the vocabulary
     SamplingParams(temperature=1.0, min_p=0.2),
     SamplingParams(temperature=1.0, top_k=3, top_p=0.9, min_p=0.5),
     SamplingParams(temperature=1.0, top_k=1000),  # more than the vocabulary
-    SamplingParams(temperature=1.0, top_p=0.4),  # past the first probe, within the second
+    SamplingParams(temperature=1.0, top_p=0.4),
 ]
 
 
 @pytest.mark.parametrize("block", [1024, 4])  # 4: wide rows (over 16) draw by blocks
-def test_every_path_picks_the_reference_token(monkeypatch, block):
-    monkeypatch.setattr(random_sample, "PROBES", (4, 16))
+@pytest.mark.parametrize("threshold", ["kernel", "sort"])
+def test_every_path_picks_the_reference_token(monkeypatch, block, threshold):
     monkeypatch.setattr(random_sample, "BLOCK", block)
+    if threshold == "sort":
+        monkeypatch.setattr(ops, "top_p_threshold", ops.top_p_threshold_ref)
     gen = torch.Generator().manual_seed(0)
     vocab = 64
     logits = torch.randn(len(PARAMS), vocab, generator=gen, dtype=torch.float64)
     logits[3] *= 6.0  # peaked: its top-p 0.3 nucleus is a token or two
-    # row 8 as drawn: its top-p 0.4 nucleus is 7 tokens, past the first probe (4)
     for _ in range(150):
         u = torch.rand(len(PARAMS), generator=gen, dtype=torch.float64)
         got = sample(logits, PARAMS, u).tolist()
         assert got == [reference(logits[i], p, float(u[i])) for i, p in enumerate(PARAMS)]
 
 
-def test_a_row_s_token_does_not_depend_on_the_rest_of_the_batch(monkeypatch):
-    monkeypatch.setattr(random_sample, "PROBES", (4, 16))
+def test_a_row_s_token_does_not_depend_on_the_rest_of_the_batch():
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(len(PARAMS), 64, generator=gen)
     u = torch.rand(len(PARAMS), generator=gen, dtype=torch.float64)

@@ -118,6 +118,7 @@ def test_c_kernels_build_for_every_class_and_match_the_references(isa, monkeypat
         kernel_tests.test_rotary_on_strided_views(dtype, 48)
         kernel_tests.test_grammar_mask_matches_xgrammar(dtype)
         kernel_tests.test_greedy_tokens_are_torchs_max_indices(dtype)
+    kernel_tests.test_top_p_threshold_is_the_sorted_nucleus_s_last_probability()
     if isa != "generic":  # the dense kernel's float32 build (and bfloat16 where native)
         kernel_tests.test_dense_linear_across_row_blocks_and_panel_groups()
         for n, k, rows in [(151, 7, 13), (130, 4864, 29), (100, 33, 301)]:

@@ -503,3 +503,34 @@ def test_greedy_tokens_are_torchs_max_indices(dtype):
     ties = torch.zeros(3, 40, dtype=dtype)
     ties[:, [5, 21, 37]] = 2.0
     assert ops.greedy_tokens(ties).tolist() == [5, 5, 5]
+
+
+def test_top_p_threshold_is_the_sorted_nucleus_s_last_probability():
+    """The C kernel's nucleus thresholds equal the sort's: peaked and flat rows (a flat row
+    puts its whole vocabulary in one histogram bucket), rows that do not sum to 1, zeros,
+    ties at the boundary, top-p of almost 1 and of almost 0, rows strided by more than their
+    width."""
+    from kernels import ops
+
+    if not ops.can_mask_logits(torch.zeros(1, 8)):
+        pytest.skip("no C kernels")
+    torch.manual_seed(2)
+    for vocab in (1, 2, 17, 768, 151936):
+        rows = [torch.softmax(torch.randn(vocab) * s, dim=0) for s in (0.1, 1.0, 4.0, 20.0)]
+        rows.append(torch.full((vocab,), 1.0 / vocab))  # flat: one bucket
+        rows.append(torch.rand(vocab) * (torch.rand(vocab) > 0.3))  # zeros, not normalized
+        tied = torch.zeros(vocab)
+        tied[: max(1, vocab // 4)] = 0.5  # many equal values across the boundary
+        rows.append(tied)
+        probs = torch.stack(rows)
+        wide = torch.cat([probs, torch.rand(len(rows), 3)], dim=1)[:, :vocab]
+        for top_p in (1e-6, 0.3, 0.8, 0.95, 0.999):
+            limits = torch.full((len(rows),), top_p)
+            want = ops.top_p_threshold_ref(probs, limits)
+            assert ops.top_p_threshold(probs, limits).tolist() == want.tolist(), (vocab, top_p)
+            assert ops.top_p_threshold(wide, limits).tolist() == want.tolist()
+    mixed = torch.full((3,), 0.0)
+    mixed[:] = torch.tensor([0.1, 0.5, 0.99])
+    peaked = torch.softmax(torch.randn(3, 5000) * 3, dim=-1)
+    assert ops.top_p_threshold(peaked, mixed).tolist() == \
+        ops.top_p_threshold_ref(peaked, mixed).tolist()
