@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.layers.logits_processors import RowTensors
+from engine.layers.logits_processors import RowTensors, SeenTokens
 from engine.layers.random_sample import sample
 from engine.outputs import Logprob, Logprobs
 from engine.request import Request
@@ -40,10 +40,12 @@ class Sampler:
         self.generator.manual_seed(seed)
         self.row_generators: dict[str, torch.Generator] = {}
         self.row_tensors = RowTensors()  # allowed ids and logit bias, per running request
+        self.seen_tokens = SeenTokens()  # what the penalties count, per running request
 
     def forget(self, request_id: str) -> None:
         self.row_generators.pop(request_id, None)
         self.row_tensors.forget(request_id)
+        self.seen_tokens.forget(request_id)
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request],
                  prompt_rows: Sequence[tuple[Request, int]] = ()) -> SamplerOutput:
@@ -75,8 +77,7 @@ class Sampler:
         if biased:  # before the penalties, as vLLM
             self.row_tensors.apply_logit_bias(logits, reqs)
         if penalties:
-            logits = logits.clone()
-            self._apply_penalties(logits, reqs)
+            self.seen_tokens.apply(logits, reqs)
         self._mask_early_stop(logits, reqs)
         self.row_tensors.apply_masks(logits, reqs)
         if all_greedy:
@@ -88,23 +89,6 @@ class Sampler:
         if raw_logprobs is not None:
             out_logprobs = self._gather_logprobs(raw_logprobs, tokens, token_list, params)
         return SamplerOutput(token_list, out_logprobs)
-
-    def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request]) -> None:
-        for i, r in enumerate(reqs):
-            p = r.params
-            if not p.needs_penalties:
-                continue
-            if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(r.all_token_ids)), device=logits.device)
-                scores = logits[i, seen]
-                logits[i, seen] = torch.where(scores > 0, scores / p.repetition_penalty,
-                                              scores * p.repetition_penalty)
-            out = r.output_token_ids
-            if out and (p.presence_penalty or p.frequency_penalty):
-                ids = torch.tensor(out, device=logits.device)
-                counts = torch.zeros_like(logits[i]).index_add_(0, ids, torch.ones_like(ids,
-                                                                dtype=logits.dtype))
-                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
     @staticmethod
     def _mask_early_stop(logits: torch.Tensor, reqs: list[Request]) -> None:

@@ -44,6 +44,38 @@ def test_repetition_penalty_covers_prompt_and_output():
     assert sample(neg, make([5], [], repetition_penalty=1.5)).token_ids == [6]  # -1.5 < -1.2
 
 
+def test_penalties_kept_step_by_step_equal_penalties_from_scratch():
+    """A request's seen tokens and output counts are updated a step at a time: the penalized
+    logits equal those computed from its whole sequence anew, batch after batch."""
+    from engine.layers.logits_processors import SeenTokens
+
+    gen = torch.Generator().manual_seed(4)
+    kinds = [dict(repetition_penalty=1.3), dict(presence_penalty=0.7, frequency_penalty=0.4),
+             dict(repetition_penalty=0.8, frequency_penalty=-0.5), dict()]
+    reqs = [Request(f"r{i}", torch.randint(0, 50, (12,), generator=gen).tolist(),
+                    SamplingParams(temperature=0.0, **kw)) for i, kw in enumerate(kinds)]
+    kept = SeenTokens()
+    for _ in range(6):
+        logits = torch.randn(len(reqs), 50, generator=gen)
+        step, fresh = logits.clone(), logits.clone()
+        kept.apply(step, reqs)
+        SeenTokens().apply(fresh, reqs)
+        assert torch.equal(step, fresh)
+        for r in reqs:  # two tokens some steps: more than one new token between calls
+            for t in torch.randint(0, 50, (1 + len(r.all_token_ids) % 2,), generator=gen).tolist():
+                r.append_token(t, None)
+    assert not torch.equal(step, logits)
+    for r in reqs:
+        kept.forget(r.request_id)
+    assert len(kept) == 0
+    sampler = Sampler(0, torch.device("cpu"))  # the sampler forgets a request with its seed
+    sampler(torch.randn(len(reqs), 50), reqs)
+    assert len(sampler.seen_tokens) == 3  # the rows that have penalties
+    for r in reqs:
+        sampler.forget(r.request_id)
+    assert len(sampler.seen_tokens) == 0
+
+
 def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     logits = logits_row({9: 3.0, 4: 1.0, 3: 2.0})
     assert sample(logits, make([1], [], min_tokens=2)).token_ids == [3]
