@@ -2,7 +2,7 @@
 
 ``paged_attention_cpu.c`` is paged attention over the block table (no gather, no padding);
 ``elementwise_cpu.c`` holds RMSNorm (+ fused residual add), SiLU-and-multiply, rotary embedding,
-the KV-cache store, grammar masks of logits and greedy argmax, each one pass over memory;
+the KV-cache store, grammar masks of logits, greedy argmax and top-p thresholds;
 ``int8_linear_cpu.c`` the int8 linear layers (activations quantized per row, VNNI dot products
 where the CPU has them), ``dense_linear_cpu.c`` float32 and bfloat16 ones. AVX-512 or AVX2
 loops where the CPU has them, plain C elsewhere; float32 and bfloat16.

@@ -1,8 +1,8 @@
-/* The CPU versions of the engine's small fused kernels, one pass over memory each:
- * RMSNorm (with the residual add fused in), SiLU-and-multiply, rotary embedding in place, the
- * KV-cache store, grammar masks of logits and the greedy argmax of logits. Numerics follow the
- * torch references in kernels/*.py (float32 inside; for bfloat16, values are rounded where the
- * references round). Rows are spread over OpenMP
+/* The CPU versions of the engine's small fused kernels, one pass over memory each (two for
+ * top-p): RMSNorm (with the residual add fused in), SiLU-and-multiply, rotary embedding in
+ * place, the KV-cache store, grammar masks of logits, the greedy argmax of logits and top-p
+ * nucleus thresholds. Numerics follow the torch references in kernels/ (float32 inside; for
+ * bfloat16, values are rounded where the references round). Rows are spread over OpenMP
  * threads (torch's pool: see paged_attention_cpu.c). Element types: 0 = float32, 1 = bfloat16.
  */
 #include "cpu_common.h"
