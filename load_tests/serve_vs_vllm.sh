@@ -3,7 +3,7 @@
 # dependency) on the same model and the same load, measured with the same client
 # (load_tests/serving_benchmark.py). Loopback only. Usage:
 #   VLLM_PY=/tmp/vllm-venv/bin/python [ROUNDS=3] [RATE=40] [PROXY=1] [APP_ARGS="k=v ..."] [PLOT=f.png] \
-#     [ISA=avx2] load_tests/serve_vs_vllm.sh [MODEL_DIR] [NUM_PROMPTS] [CONCURRENCY]
+#     [ISA=avx2] [SAMPLING="--temperature 0.7 --top-p 0.8"] load_tests/serve_vs_vllm.sh [MODEL_DIR] [NUM_PROMPTS] [CONCURRENCY]
 # MODEL_DIR defaults to the default model. ROUNDS rounds alternate between the two (the order
 # flips every round), so the drift of a shared machine hits both alike. vLLM stays up throughout
 # (idle, its two processes take ~2% of a core); this app runs only for its own runs: its local
@@ -37,8 +37,12 @@ from engine.models.hf_config import HFConfig
 print(str(resolve_dtype('auto', HFConfig.load(sys.argv[1]).torch_dtype, torch.device('cpu'))).split('.')[1])" "$MODEL")
 RATE=${RATE:-inf}  # requests/s (Poisson arrivals); inf = as fast as CONCURRENCY allows
 ROUNDS=${ROUNDS:-3}
+# SAMPLING="--temperature 0.7 --top-p 0.8 --top-k 20 --repetition-penalty 1.05": sampled load
+# (serving_benchmark.py's flags; greedy without it)
+read -r -a SAMPLE_ARGS <<< "${SAMPLING:-}"
 LOAD=(--num-prompts "$N" --max-concurrency "$C" --request-rate "$RATE" --input-len 128
-      --output-len 64 --range-ratio 0.5 --prompt-mode tokens --vocab-size 700 --no-progress)
+      --output-len 64 --range-ratio 0.5 --prompt-mode tokens --vocab-size 700 --no-progress
+      "${SAMPLE_ARGS[@]}")
 OUT=$(mktemp /tmp/serve_vs_vllm.XXXXXX.jsonl)
 PS_URL=http://127.0.0.1:8000
 VLLM_URL=http://127.0.0.1:8100

@@ -92,6 +92,9 @@ def request_body(args: argparse.Namespace, model: str, prompt: str | list[int],
                   "stream": True, "stream_options": {"include_usage": True}}
     if args.ignore_eos:
         body["ignore_eos"] = True
+    for name in ("top_p", "top_k", "repetition_penalty"):  # only when given (vLLM's names)
+        if getattr(args, name) is not None:
+            body[name] = getattr(args, name)
     if args.endpoint == "chat":
         text = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
         body["messages"] = [{"role": "user", "content": text}]
@@ -246,6 +249,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-mode", choices=("words", "tokens"), default="words")
     p.add_argument("--vocab-size", type=int, default=700, help="token-id range for tokens mode")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None)
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="let EOS end requests early (default: generate exactly max_tokens)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds between reads")
