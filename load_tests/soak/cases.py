@@ -82,7 +82,9 @@ def _out_of_range(limits: Limits) -> list[BadCase]:
         BadCase("stop_token_id_huge", j(prompt="hi", stop_token_ids=[2 ** 70]), 400),
         BadCase("stop_empty_string", j(prompt="hi", stop=[""]), 400),
         BadCase("stop_too_many", j(prompt="hi", stop=[str(k) for k in range(17)]), 400),
-        BadCase("logit_bias", j(prompt="hi", logit_bias={"5": 10}), 400),
+        BadCase("logit_bias_out_of_range", j(prompt="hi", logit_bias={"5": 101}), 400),
+        BadCase("logit_bias_not_a_token_id", j(prompt="hi", logit_bias={"five": 1}), 400),
+        BadCase("logit_bias_over_vocab", j(prompt="hi", logit_bias={str(2 ** 31 - 1): 1}), 400),
         BadCase("stream_options_without_stream", j(prompt="hi", stream_options={
             "include_usage": True}), 400),
         BadCase("prompt_logprobs_streamed", j(prompt="hi", prompt_logprobs=1, stream=True), 400),
