@@ -125,7 +125,7 @@ class CompletionFormat(_Format):
         first = not streamed or index not in self._ids_started
         self._ids_started.add(index)
         return {**({"prompt_token_ids": self._prompt_ids[index // self._n]} if first else {}),
-                "token_ids": ids}
+                **self._token_ids(ids)}
 
     def collect(self, deltas: list[Delta]) -> None:
         for d in deltas:

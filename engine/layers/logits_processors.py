@@ -178,9 +178,10 @@ class SeenTokens:
         """In place on ``logits`` [rows, vocab]: each row's repetition penalty on the tokens
         it has seen (divides a positive logit, multiplies a negative one), then its presence
         and frequency penalties on its output tokens."""
-        rep_rows: list[int] = []
-        rep_ids: list[int] = []
+        rep_rows: list[int] = []  # rows with a repetition penalty, their penalties and counts
         rep: list[float] = []
+        rep_lens: list[int] = []
+        rep_ids: list[int] = []
         out_rows: list[int] = []
         out_ids: list[int] = []
         out_sub: list[float] = []
@@ -190,18 +191,21 @@ class SeenTokens:
                 continue
             distinct, counts = self._row(r)
             if p.repetition_penalty != 1.0:
-                rep_rows += [i] * len(distinct)
+                rep_rows.append(i)
+                rep.append(p.repetition_penalty)
+                rep_lens.append(len(distinct))
                 rep_ids += distinct
-                rep += [p.repetition_penalty] * len(distinct)
             if counts and (p.presence_penalty or p.frequency_penalty):
                 out_rows += [i] * len(counts)
                 out_ids += counts
                 out_sub += [p.frequency_penalty * c + p.presence_penalty for c in counts.values()]
         dev = logits.device
         if rep_ids:
-            at = (torch.tensor(rep_rows, device=dev), torch.tensor(rep_ids, device=dev))
+            lens = torch.tensor(rep_lens, device=dev)
+            at = (torch.tensor(rep_rows, device=dev).repeat_interleave(lens),
+                  torch.tensor(rep_ids, device=dev))
             scores = logits[at]
-            penalty = torch.tensor(rep, device=dev, dtype=logits.dtype)
+            penalty = torch.tensor(rep, device=dev, dtype=logits.dtype).repeat_interleave(lens)
             logits[at] = torch.where(scores > 0, scores / penalty, scores * penalty)
         if out_ids:
             at = (torch.tensor(out_rows, device=dev), torch.tensor(out_ids, device=dev))

@@ -53,8 +53,7 @@ def sample_group(logits: torch.Tensor, params: Sequence[SamplingParams], u: torc
                  k: int) -> torch.Tensor:
     """``sample`` for rows that all take their ``k`` most likely tokens (then top-p among
     them), or top-p rows without top-k (``NUCLEUS``), or the whole vocabulary (0)."""
-    dev = logits.device
-    top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float32)
+    top_p = torch.tensor([p.top_p for p in params], device=logits.device, dtype=torch.float32)
     if k <= 0:
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         if k == NUCLEUS:  # the nucleus: every token at least as likely as its last one
@@ -92,9 +91,10 @@ def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     size = _block_size(n, BLOCK)
     blocks = (probs if n % size == 0 else F.pad(probs, (0, -n % size))).view(rows, -1, size)
     sums = blocks.sum(dim=-1).to(torch.float64)  # (summing in float64 took 40x longer)
-    b, before = _invert(sums, u * sums.sum(dim=-1))
+    target = u * sums.sum(dim=-1)
+    b, before = _invert(sums, target)
     inner = blocks[torch.arange(rows, device=probs.device), b]
-    j, _ = _invert(inner, u * sums.sum(dim=-1) - before)
+    j, _ = _invert(inner, target - before)
     return b * size + j
 
 

@@ -108,6 +108,8 @@ class Sampler:
                 u[i] = torch.rand((), generator=self._row_generator(r, seed), device=dev,
                                   dtype=torch.float64)
         sampled = sample(logits / temps.unsqueeze(1), params, u)
+        if not any(p.greedy for p in params):
+            return sampled
         return torch.where(greedy, ops.greedy_tokens(logits), sampled)
 
     def _row_generator(self, r: Request, seed: int) -> torch.Generator:
