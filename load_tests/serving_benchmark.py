@@ -14,8 +14,14 @@ not counted). Prints one JSON line with the metrics, defined as in vLLM's ``benc
 * TPOT: per request, (e2e latency - TTFT) / (output tokens - 1), requests with > 1 token;
 * ITL: the gaps between consecutive streamed chunks, over all requests;
 * E2E: time from sending to the last chunk;
-* output tokens per request from the server's ``usage`` (``stream_options.include_usage``),
-  else the number of content chunks.
+* output tokens: the client's own count (``stream_check.py``: the chunks' token ids, asked
+  for with ``return_token_ids`` unless ``--no-token-ids``), checked against ``usage``.
+
+A request fails (``failed``, ``failed_by_reason``, one ``failure_examples`` message per reason;
+not in the metrics) on a status other than 200, a connection error or timeout, or a stream that
+``stream_check.failure`` rejects: an SSE error event, no ``[DONE]`` or ``finish_reason``, usage
+that disagrees with the count, and under ``ignore_eos`` (the default) a count other than
+``max_tokens``. Then the JSON line is still printed, stderr names the failures, the exit is 1.
 
 Only loopback addresses are accepted: this is a load generator, not a network tool.
 """
@@ -31,11 +37,15 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlparse
 
 import aiohttp
 import numpy as np
 from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stream_check import StreamCount, failure  # noqa: E402
 
 WORDS = ("time person year way day thing man world life hand part child eye woman place work "
          "week case point government company number group problem fact river cache block token "
@@ -45,9 +55,9 @@ WORDS = ("time person year way day thing man world life hand part child eye woma
 
 @dataclass
 class Result:
-    ok: bool = False
     status: int = 0
-    error: str = ""
+    reason: str = ""  # why the request failed (stream_check's reasons, "status N", ...); "": ok
+    error: str = ""  # what the server or the connection said about it, shortened
     prompt_len: int = 0
     output_tokens: int = 0
     ttft: float = 0.0
@@ -55,6 +65,10 @@ class Result:
     index: int = 0
     sent_at: float = 0.0  # seconds after the run's start
     itl: list[float] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.reason
 
 
 def check_loopback(url: str) -> None:
@@ -92,6 +106,8 @@ def request_body(args: argparse.Namespace, model: str, prompt: str | list[int],
                   "stream": True, "stream_options": {"include_usage": True}}
     if args.ignore_eos:
         body["ignore_eos"] = True
+    if args.token_ids:  # vLLM's field: the chunks carry their token ids, counted by the client
+        body["return_token_ids"] = True
     for name in ("top_p", "top_k", "repetition_penalty"):  # only when given (vLLM's names)
         if getattr(args, name) is not None:
             body[name] = getattr(args, name)
@@ -105,40 +121,34 @@ def request_body(args: argparse.Namespace, model: str, prompt: str | list[int],
 
 async def send(session: aiohttp.ClientSession, url: str, body: dict, prompt_len: int) -> Result:
     res = Result(prompt_len=prompt_len)
-    chunks = 0
+    count = StreamCount()
     start = last = time.perf_counter()
     try:
         async with session.post(url, json=body) as resp:
             res.status = resp.status
             if resp.status != 200:
-                res.error = (await resp.text())[:200]
+                res.reason, res.error = f"status {resp.status}", (await resp.text())[:200]
                 return res
             async for raw in resp.content:
-                line = raw.decode().strip()
-                if not line.startswith("data:") or line == "data: [DONE]":
-                    continue
-                data = json.loads(line[5:])
-                if data.get("usage"):
-                    res.output_tokens = data["usage"]["completion_tokens"]
-                if not any(_text(c) for c in data.get("choices", ())):
+                if not count.feed(raw.decode(errors="replace")):
                     continue
                 now = time.perf_counter()
-                if chunks == 0:
+                if count.text_chunks == 1:
                     res.ttft = now - start
                 else:
                     res.itl.append(now - last)
                 last = now
-                chunks += 1
-        res.e2e = last - start
-        res.output_tokens = res.output_tokens or chunks
-        res.ok = chunks > 0
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        res.error = repr(exc)
+    except asyncio.TimeoutError as exc:
+        res.reason, res.error = "timeout", repr(exc)
+        return res
+    except aiohttp.ClientError as exc:
+        res.reason, res.error = "connection error", repr(exc)[:200]
+        return res
+    res.e2e = last - start
+    res.output_tokens = count.tokens()
+    res.reason = failure(count, body["max_tokens"], body.get("ignore_eos", False))
+    res.error = count.error or (count.describe() if res.reason else "")
     return res
-
-
-def _text(choice: dict) -> str:
-    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
 
 
 async def fetch_model(session: aiohttp.ClientSession, base: str) -> str:
@@ -203,10 +213,12 @@ def _dist(name: str, values: list[float], scale: float = 1000.0) -> dict[str, fl
 def summarize(args: argparse.Namespace, model: str, results: list[Result], cancelled: int,
               elapsed: float) -> dict:
     ok = [r for r in results if r.ok]
-    statuses: dict[str, int] = {}
+    reasons: dict[str, int] = {}
+    examples: dict[str, str] = {}
     for r in results:
         if not r.ok:
-            statuses[str(r.status or "error")] = statuses.get(str(r.status or "error"), 0) + 1
+            reasons[r.reason] = reasons.get(r.reason, 0) + 1
+            examples.setdefault(r.reason, r.error)
     out_tokens = sum(r.output_tokens for r in ok)
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     summary = {
@@ -214,7 +226,8 @@ def summarize(args: argparse.Namespace, model: str, results: list[Result], cance
         "num_prompts": args.num_prompts, "max_concurrency": args.max_concurrency,
         "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
         "input_len": args.input_len, "output_len": args.output_len,
-        "completed": len(ok), "failed": len(results) - len(ok), "failed_by_status": statuses,
+        "completed": len(ok), "failed": len(results) - len(ok), "failed_by_reason": reasons,
+        "failure_examples": examples,
         "cancelled_at_deadline": cancelled, "duration_s": elapsed,
         "total_input_tokens": sum(r.prompt_len for r in ok), "total_output_tokens": out_tokens,
         "request_throughput": len(ok) / elapsed, "output_throughput": out_tokens / elapsed,
@@ -254,6 +267,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repetition-penalty", type=float, default=None)
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="let EOS end requests early (default: generate exactly max_tokens)")
+    p.add_argument("--no-token-ids", dest="token_ids", action="store_false",
+                   help="no return_token_ids (count text chunks, checked against usage)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds between reads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--label", default="", help="free text copied into the JSON line")
@@ -270,8 +285,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Print the run's JSON line; exit 1 when any request failed (they are named on stderr)."""
     args = parse_args(argv)
-    print(json.dumps(asyncio.run(run(args))), flush=True)
+    summary = asyncio.run(run(args))
+    print(json.dumps(summary), flush=True)
+    if summary["failed"]:
+        raise SystemExit(f"serving_benchmark: {summary['failed']} of "
+                         f"{summary['completed'] + summary['failed']} requests failed "
+                         f"(run {args.label or args.url!r}): {summary['failed_by_reason']}; "
+                         f"e.g. {summary['failure_examples']}")
 
 
 if __name__ == "__main__":
