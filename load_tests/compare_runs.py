@@ -3,7 +3,10 @@
 Reads the JSON lines of ``serving_benchmark.py`` (what ``serve_vs_vllm.sh`` prints; labels like
 ``"pagedserve round 3"``, other lines skipped) from files or standard input. The summary holds
 each server's medians and, for pagedserve against vLLM, the medians of the per-round ratios;
-``--plot`` draws each run's output tokens/s and p50 TTFT by server:
+``--plot`` draws each run's output tokens/s and p50 TTFT by server. A run that had failed
+requests (its ``failed`` count above 0, or no count at all) is named on stderr with its count
+and reasons, and makes the script exit 1 after printing the summary: its figures are not
+comparable.
 
     load_tests/serve_vs_vllm.sh "" 256 64 | tee runs.jsonl
     .venv/bin/python load_tests/compare_runs.py runs.jsonl --plot docs/serve_vs_vllm.png
@@ -31,6 +34,20 @@ def load_runs(lines) -> dict[str, list[dict]]:
         label = run["label"]
         by.setdefault(label.rpartition(" round ")[0] or label, []).append(run)
     return by
+
+
+def failures(by: dict[str, list[dict]]) -> list[str]:
+    """One line per run that had failed requests (or does not say how many)."""
+    out = []
+    for runs in by.values():
+        for run in runs:
+            failed = run.get("failed")
+            if failed is None:
+                out.append(f"run {run['label']!r} does not say how many requests failed")
+            elif failed:
+                out.append(f"run {run['label']!r} had {failed} failed requests "
+                           f"{run.get('failed_by_reason', run.get('failed_by_status', {}))}")
+    return out
 
 
 def summarize(by: dict[str, list[dict]], ours: str = "pagedserve", peer: str = "vllm") -> dict:
@@ -96,7 +113,13 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("no benchmark runs in the input")
     if args.plot is not None:
         plot(by, args.plot, args.title)
-    print(json.dumps(summarize(by, args.ours, args.peer)))
+    print(json.dumps(summarize(by, args.ours, args.peer)), flush=True)
+    bad = failures(by)
+    for line in bad:
+        print(f"compare_runs: {line}", file=sys.stderr)
+    if bad:
+        raise SystemExit(f"compare_runs: {len(bad)} of {sum(map(len, by.values()))} runs had "
+                         "failures; their figures are not comparable")
 
 
 if __name__ == "__main__":

@@ -6,14 +6,17 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "load_tests"))
 
 import compare_runs  # noqa: E402
 
 
-def _run(label: str, tok_s: float, ttft: float) -> str:
-    return json.dumps({"label": label, "output_throughput": tok_s, "ttft_ms_p50": ttft})
+def _run(label: str, tok_s: float, ttft: float, failed: int = 0) -> str:
+    return json.dumps({"label": label, "output_throughput": tok_s, "ttft_ms_p50": ttft,
+                       "failed": failed, "failed_by_reason": {"sse error": failed} if failed else {}})
 
 
 def test_runs_group_by_server_and_skip_summaries(tmp_path):
@@ -30,6 +33,25 @@ def test_runs_group_by_server_and_skip_summaries(tmp_path):
     out = tmp_path / "plot.png"
     compare_runs.main([str(src), "--plot", str(out)])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_run_with_failures_fails_the_comparison(tmp_path, capsys):
+    src = tmp_path / "runs.jsonl"
+    src.write_text("\n".join([_run("pagedserve round 1", 3000.0, 50.0),
+                              _run("vllm round 1", 2500.0, 70.0, failed=3)]))
+    with pytest.raises(SystemExit) as exc:
+        compare_runs.main([str(src)])
+    assert exc.value.code == "compare_runs: 1 of 2 runs had failures; their figures are not comparable"
+    out, err = capsys.readouterr()
+    assert json.loads(out)["ratio_output_throughput"] == 3000 / 2500  # the summary still printed
+    assert "run 'vllm round 1' had 3 failed requests {'sse error': 3}" in err
+    assert "pagedserve round 1" not in err
+
+    # a line that does not say how many of its requests failed cannot be trusted either
+    src.write_text(json.dumps({"label": "vllm round 1", "output_throughput": 1.0}))
+    with pytest.raises(SystemExit):
+        compare_runs.main([str(src)])
+    assert "does not say how many requests failed" in capsys.readouterr().err
 
 
 def test_summary_pairs_rounds():
