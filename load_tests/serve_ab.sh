@@ -7,12 +7,16 @@
 # BASE_REF defaults to HEAD~1, NEW_REF to the working tree (uncommitted changes included). Each
 # round starts each version afresh (the order flips every round), warms it up and measures it.
 # Prints one JSON line per run (labels "base round N", "new round N"), then compare_runs.py's
-# summary: medians, and the medians of the per-round ratios new / base.
+# summary: medians, and the medians of the per-round ratios new / base. A run with failed
+# requests (serving_benchmark.py exits 1) does not stop the rounds; the summary names it
+# (compare_runs.py) and the script exits with the first failing run's status (a failed warm-up
+# stops it at once).
 # MODEL (default: the app's default model) is served by both; BASE_ARGS and NEW_ARGS are extra
 # `key=value` arguments of build_app for one version only (a setting's A/B on one commit:
 #   NEW_ARGS="separate_prefill_steps=false" load_tests/serve_ab.sh HEAD HEAD).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source load_tests/runs.sh
 PY=$PWD/.venv/bin/python
 BASE=${1:-HEAD~1}
 NEW=${2:-}
@@ -56,7 +60,7 @@ stop() {  # Ctrl-C, as a user stops serve run (it shuts the app and its cluster 
 measure() {  # measure LABEL DIR [ARGS]
   start "$2" "${3:-}"
   $PY load_tests/serving_benchmark.py "${LOAD[@]}" --num-prompts 16 --output-len 16 >/dev/null
-  $PY load_tests/serving_benchmark.py "${LOAD[@]}" --label "$1" | tee -a "$OUT"
+  record_run "$OUT" "$1" $PY load_tests/serving_benchmark.py "${LOAD[@]}" --label "$1"
   stop
 }
 "$(dirname "$PY")/ray" stop --force >/dev/null 2>&1 || true  # serve run would join a running cluster
@@ -67,5 +71,7 @@ for r in $(seq 1 "$ROUNDS"); do
     measure "new round $r" "$NEW_DIR" "${NEW_ARGS:-}"; measure "base round $r" "$WORK/base" "${BASE_ARGS:-}"
   fi
 done
-$PY load_tests/compare_runs.py "$OUT" --ours new --peer base ${PLOT:+--plot "$PLOT"} \
+record_run /dev/null compare_runs.py \
+  $PY load_tests/compare_runs.py "$OUT" --ours new --peer base ${PLOT:+--plot "$PLOT"} \
   --title "$N requests, $C concurrent streams: $BASE against ${NEW:-the working tree}"
+runs_exit

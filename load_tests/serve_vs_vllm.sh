@@ -17,8 +17,12 @@
 # run's tokens/s and p50 TTFT by server (load_tests/compare_runs.py, which also prints the
 # summary). ISA=CLASS runs both servers as on a CPU of that class at most (kernels/cpu_isa.py:
 # this project's C kernels, oneDNN, MKL and ATen capped; vLLM's own C++ kernels ignore the caps).
+# A run with failed requests (serving_benchmark.py exits 1) does not stop the rounds; the summary
+# names it (compare_runs.py), and the script exits with the first failing run's status, keeping
+# the runs' JSON lines in the file it names (a failed warm-up stops it at once).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source load_tests/runs.sh
 PY=.venv/bin/python
 MODEL=${1:-$($PY -m engine.models.default_model)}
 N=${2:-128}
@@ -55,8 +59,8 @@ warm_up() {
 # run LABEL URL ROUND: each round's prompts are new (seed 100+ROUND), so no run is served from
 # prompts an earlier one left in the prefix cache; both servers get the same prompts in a round
 run() {
-  $PY load_tests/serving_benchmark.py --url "$2" "${LOAD[@]}" --seed $((100 + $3)) --label "$1" |
-    tee -a "$OUT"
+  record_run "$OUT" "$1" \
+    $PY load_tests/serving_benchmark.py --url "$2" "${LOAD[@]}" --seed $((100 + $3)) --label "$1"
 }
 wait_up() { for _ in $(seq 1 240); do curl -sf "$1/v1/models" >/dev/null && return 0; sleep 1; done; return 1; }
 
@@ -108,6 +112,7 @@ if [ "${PROXY:-0}" = 1 ]; then  # the same app through Serve's Python proxy
   stop_app
 fi
 
-$PY load_tests/compare_runs.py "$OUT" ${PLOT:+--plot "$PLOT"} \
+record_run /dev/null compare_runs.py $PY load_tests/compare_runs.py "$OUT" ${PLOT:+--plot "$PLOT"} \
   --title "$N requests, $C concurrent streams, rate $RATE/s; each dot one run, bar: median"
+runs_exit "$OUT"
 rm -f "$OUT"

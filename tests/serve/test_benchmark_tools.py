@@ -1,8 +1,9 @@
-"""The comparison helper of the serving benchmarks (load_tests/compare_runs.py)."""
+"""The comparison helpers of the benchmarks (load_tests/compare_runs.py, class_table.py, runs.sh)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -92,3 +93,25 @@ def test_class_table_groups_offline_runs_by_class_and_dtype(tmp_path):
     out = tmp_path / "classes.png"
     class_table.plot(table, str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _record_runs(tmp_path, *commands: str) -> subprocess.CompletedProcess:
+    """serve_vs_vllm.sh's and serve_ab.sh's way to run rounds (load_tests/runs.sh)."""
+    runs = "; ".join(f"record_run {tmp_path / 'runs.jsonl'} 'round {i}' {c}"
+                     for i, c in enumerate(commands, 1))
+    script = f"set -euo pipefail; source load_tests/runs.sh; {runs}; runs_exit KEPT; echo end"
+    return subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_a_failing_run_does_not_stop_the_rounds_but_sets_the_exit_status(tmp_path):
+    proc = _record_runs(tmp_path, "echo one", "sh -c 'echo two; exit 3'", "sh -c 'exit 4'",
+                        "echo four")
+    assert proc.returncode == 3  # the first failing run's status
+    assert proc.stdout == "one\ntwo\nfour\n"  # every round ran, "end" never printed
+    assert (tmp_path / "runs.jsonl").read_text() == "one\ntwo\nfour\n"
+    assert 'run "round 2" exited 3' in proc.stderr and 'run "round 3" exited 4' in proc.stderr
+    assert "the runs' JSON lines: KEPT" in proc.stderr
+
+    proc = _record_runs(tmp_path, "echo one", "echo two")
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "one\ntwo\nend\n", "")
