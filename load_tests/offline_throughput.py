@@ -14,7 +14,9 @@ model (``--model-size default``: float32, a 768-token vocabulary; prompt ids bel
 serving benchmarks send).
 
 Prints one JSON line per backend run, then one with the ratios of the engine's output tokens/s to
-the others'. Timing covers only the generate calls (model loading and a short warm-up excluded).
+the others'. Every request must produce exactly its output length (``ignore_eos``): a backend
+run where one did not prints no line; the script names the backend, the round and how many
+requests fell short on stderr and exits 1. Timing covers only the generate calls (model loading and a short warm-up excluded).
 On a shared machine, ``--rounds N`` loads every backend once and alternates them N times; the
 ratios are then medians of per-round ratios. ``--profile`` times the parts of the engine's step
 (scheduling, batch preparation, model forward split by kernel, logits, sampling, the rest) and,
@@ -188,6 +190,14 @@ def _check_finite_logits(model) -> None:
 
 
 # ----------------------------------------------------------------------------- backends
+def check_lengths(backend: str, got: list[int], want: list[int]) -> None:
+    """Raise ``RuntimeError`` saying how many requests did not produce their output length."""
+    bad = sum(g != w for g, w in zip(got, want))
+    if bad or len(got) != len(want):
+        raise RuntimeError(f"{backend}: {bad} of {len(want)} requests did not produce their "
+                           f"max_tokens (ignore_eos); {len(got)} outputs")
+
+
 def result(backend: str, model: str, wl: Workload, elapsed: float, **extra) -> dict:
     return {
         "backend": backend, "model": model, "num_prompts": len(wl.prompts),
@@ -226,8 +236,7 @@ class EngineBackend:
                                  **SAMPLINGS[self.args.sampling]) for n in wl.output_lens]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in wl.prompts], params,
                                  use_tqdm=use_tqdm)
-        if [len(o.outputs[0].token_ids) for o in outs] != wl.output_lens:
-            raise RuntimeError("engine returned the wrong number of output tokens")
+        check_lengths("engine", [len(o.outputs[0].token_ids) for o in outs], wl.output_lens)
 
     def generate(self, wl: Workload) -> tuple[float, dict]:
         steps = self.llm.engine.num_steps
@@ -296,7 +305,8 @@ class HFBackend:
             out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
                                       min_new_tokens=new, pad_token_id=0, **self.sampling)
         if out.shape[1] != width + new:
-            raise RuntimeError(f"HF generated {out.shape[1] - width} tokens, expected {new}")
+            raise RuntimeError(f"HF: a batch of {len(idx)} requests generated "
+                               f"{out.shape[1] - width} tokens, expected {new}")
 
     def close(self) -> None:
         del self.model
@@ -313,8 +323,10 @@ def generate(llm, prompts, lens, use_tqdm):
     params = [SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False, **SAMPLING)
               for n in lens]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=use_tqdm)
-    if [len(o.outputs[0].token_ids) for o in outs] != lens:
-        raise SystemExit("vLLM returned the wrong number of output tokens")
+    bad = sum(len(o.outputs[0].token_ids) != n for o, n in zip(outs, lens))
+    if bad or len(outs) != len(lens):
+        raise SystemExit(f"vLLM: {bad} of {len(lens)} requests did not produce their "
+                         f"max_tokens (ignore_eos); {len(outs)} outputs")
 
 
 def main():  # under __main__: vLLM spawns its engine-core process
@@ -693,7 +705,10 @@ def run_rounds(backends: list, wl: Workload, args) -> dict[str, list[dict]]:
             if b.name == "hf" and args.hf_num_prompts:
                 work = round_wl.head(args.hf_num_prompts)
             load = os.getloadavg()[0]
-            elapsed, extra = b.generate(work)
+            try:
+                elapsed, extra = b.generate(work)
+            except RuntimeError as exc:  # a request without its output length: no figure
+                raise SystemExit(f"offline_throughput: {b.name} round {r}: {exc}") from exc
             res = result(b.name, args.model_size, work, elapsed, **extra,
                          load_avg_1m_before=round(load, 2), dtype=args.dtype,
                          sampling=args.sampling, cpu=args.cpu, threads=args.threads)

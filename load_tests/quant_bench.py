@@ -13,7 +13,9 @@ at once and measured in turn, ``--rounds`` times with the order rotated, and eac
 the median of its rounds (a 2-core machine's speed drifts by 20% over minutes); each engine
 (and vLLM) gets a 1 GiB KV cache unless ``--kv-cache-gib`` says otherwise. One JSON line per
 variant (and one for vLLM), then a summary line with each variant's ratios to the plain dtype,
-and with ``--plot`` a bar chart of the ratios.
+and with ``--plot`` a bar chart of the ratios. Every request must produce exactly its
+``max_tokens`` (``ignore_eos``); when one does not, the script names the variant, the round and
+how many fell short on stderr and exits 1 (no summary: the ratios would compare unequal work).
 
     .venv/bin/python load_tests/quant_bench.py --model-size 0.5b --num-prompts 64 \\
         --vllm-python /tmp/vllm-venv/bin/python --plot docs/quant_bench.png
@@ -60,8 +62,11 @@ def decode_tok_s(llm, batch: int, new_tokens: int, seed: int, context: int = 16,
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
                                 detokenize=False)
         start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - start
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        ot.check_lengths(f"decode at batch {batch}", [len(o.outputs[0].token_ids) for o in outs],
+                         [max_tokens] * batch)
+        return elapsed
 
     first = min(run(1) for _ in range(repeats))
     full = min(run(1 + new_tokens) for _ in range(repeats))
@@ -90,12 +95,10 @@ def run_engines(path: Path, wl: ot.Workload, args, modes: list[str], rounds: int
     times: list[dict[str, list[float]]] = [{} for _ in modes]
     for r in range(rounds):
         for i in [(r + j) % len(modes) for j in range(len(modes))]:
-            backend, _ = engines[i]
-            elapsed, _ = backend.generate(wl)
-            times[i].setdefault("output_tok_s", []).append(wl.output_tokens / elapsed)
-            for b in DECODE_BATCHES:
-                times[i].setdefault(f"decode_tok_s_b{b}", []).append(
-                    decode_tok_s(backend.llm, b, args.decode_tokens, seed=b * 31 + r))
+            try:
+                measure(engines[i][0], wl, args, r, times[i])
+            except RuntimeError as exc:  # a request without its max_tokens: no figure
+                raise SystemExit(f"quant_bench: {modes[i]} round {r}: {exc}") from exc
     runs = []
     for (backend, res), measured in zip(engines, times):
         res.update({k: round(statistics.median(v), 2) for k, v in measured.items()})
@@ -104,6 +107,16 @@ def run_engines(path: Path, wl: ot.Workload, args, modes: list[str], rounds: int
         runs.append(res)
     gc.collect()
     return runs
+
+
+def measure(backend: ot.EngineBackend, wl: ot.Workload, args, r: int,
+            times: dict[str, list[float]]) -> None:
+    """One round of one variant: offline output tokens/s, then decode-only tokens/s."""
+    elapsed, _ = backend.generate(wl)
+    times.setdefault("output_tok_s", []).append(wl.output_tokens / elapsed)
+    for b in DECODE_BATCHES:
+        times.setdefault(f"decode_tok_s_b{b}", []).append(
+            decode_tok_s(backend.llm, b, args.decode_tokens, seed=b * 31 + r))
 
 
 def summary(runs: list[dict], vllm: dict | None) -> dict:
@@ -172,6 +185,8 @@ def main(argv=None) -> None:
         backend = ot.VLLMBackend(path, args)
         try:
             elapsed, _ = backend.generate(wl)
+        except RuntimeError as exc:  # its log, with how many fell short, is above
+            raise SystemExit(f"quant_bench: vllm: {exc}") from exc
         finally:
             backend.close()
         vllm = {"variant": f"vllm {args.dtype}", "model": args.model_size, "cpu": args.cpu,

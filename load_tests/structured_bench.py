@@ -11,6 +11,9 @@ Router does). Rounds alternate (``--rounds``);
 one JSON line per run, then a summary with the median ratio of output tokens/s (mixed / free),
 target at least 0.9, the share of the finished constrained outputs that validate against the
 schema, and how many were cut by ``--max-tokens`` first (the tiny tokenizer spells words out).
+Each run's line counts as ``failed`` the ``ignore_eos`` requests that did not produce exactly
+their token count (the free ones of the mixed run ``--max-tokens``, every free-run request its
+twin's); when any did, the script says which runs on stderr and exits 1 after the summary.
 
     .venv/bin/python load_tests/structured_bench.py --model-size tiny --num-prompts 64
 """
@@ -91,11 +94,13 @@ def main(argv=None) -> None:
         cut += sum(o.outputs[0].finish_reason == "length" for o in outs[::2])
         free = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
                 for n in lens]
-        free_elapsed, _ = timed(llm, wl.prompts, free)
+        free_elapsed, free_outs = timed(llm, wl.prompts, free)
+        failed = {"mixed": sum(n != args.max_tokens for n in lens[1::2]),
+                  "free": sum(len(o.outputs[0].token_ids) != n for o, n in zip(free_outs, lens))}
         for name, secs in (("mixed", elapsed), ("free", free_elapsed)):
             rows.append({"run": name, "round": r, "model": args.model_size,
                          "num_prompts": len(wl.prompts), "output_tokens": sum(lens),
-                         "output_tok_s": round(sum(lens) / secs, 2)})
+                         "output_tok_s": round(sum(lens) / secs, 2), "failed": failed[name]})
             print(json.dumps(rows[-1]), flush=True)
         ratios.append(free_elapsed / elapsed)
     print(json.dumps({"summary": True, "model": args.model_size, "rounds": args.rounds,
@@ -105,6 +110,11 @@ def main(argv=None) -> None:
                       "dtype": args.dtype,
                       "cpu": args.cpu}),
           flush=True)
+    bad = [f"{row['run']} round {row['round']}: {row['failed']} of {row['num_prompts']}"
+           for row in rows if row["failed"]]
+    if bad:
+        raise SystemExit("structured_bench: requests without their token count (ignore_eos): "
+                         + "; ".join(bad))
 
 
 if __name__ == "__main__":
