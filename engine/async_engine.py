@@ -14,18 +14,24 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import queue
+import sys
 import threading
 import time
+import traceback
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from engine.config import EngineConfig
+from engine.health import EngineDeadError, EngineStalledError, StepWatchdog
 from engine.llm_engine import LLMEngine, PromptType
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import AsyncEngineStats
+
+logger = logging.getLogger(__name__)
 
 _RATE_WINDOW_S = 10.0
 _MAX_STEP_RECORDS = 4096  # per-step records kept until pop_step_records() drains them
@@ -42,10 +48,6 @@ _Message = (tuple[Literal["add"], str, PromptType, SamplingParams, float]
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[_Item]
-
-
-class EngineDeadError(RuntimeError):
-    """The step loop has stopped; no request can be served."""
 
 
 class AsyncEngine:
@@ -92,16 +94,17 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt: PromptType,
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Stream ``RequestOutput``s for one request. Bad input raises ``ValueError`` before the
-        first output; leaving the loop early aborts the request and frees its blocks."""
-        if not self.is_running:
-            raise EngineDeadError("the engine has stopped")
+        first output; leaving the loop early aborts the request and frees its blocks. A stopped
+        or stalled engine raises ``EngineDeadError`` (``EngineStalledError``) at once."""
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
-        self._send(("add", request_id, prompt, params, time.monotonic()))
         finished = False
         try:
+            if not self.is_running:  # checked once registered: a later stall reaches the stream
+                raise self._watchdog.error() or EngineDeadError("the engine has stopped")
+            self._send(("add", request_id, prompt, params, time.monotonic()))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -127,8 +130,12 @@ class AsyncEngine:
         return AsyncEngineStats(**self._stats, output_tokens_per_s=sum(window) / _RATE_WINDOW_S)
 
     def check_health(self) -> None:
-        """Raise when no request can be served: the loop has stopped, or a tensor-parallel rank
-        has (``TensorParallelError``)."""
+        """Raise when no request can be served: a step has run past ``step_timeout_s``
+        (``EngineStalledError``), the loop has stopped, or a tensor-parallel rank has
+        (``TensorParallelError``). Never blocks."""
+        stalled = self._watchdog.error()
+        if stalled is not None:
+            raise stalled
         if not self.is_running:
             raise EngineDeadError("the engine's step loop has stopped")
         self.engine.check_health()
@@ -143,7 +150,8 @@ class AsyncEngine:
         """Stop the loop (which then stops any tensor-parallel ranks)."""
         self._stopping = True
         self._wakeup.set()
-        self._thread.join(timeout=30)
+        self._watchdog.stop()
+        self._thread.join(timeout=1 if self._watchdog.stalled else 30)
         if self._thread.is_alive():  # stuck in a step: kill the ranks rather than message them
             self.engine.shutdown(send_exit=False)
 
@@ -160,6 +168,8 @@ class AsyncEngine:
         except BaseException as e:  # handed to the constructor, which raises it
             built.put(e)
             return
+        self._watchdog = StepWatchdog(self.engine.config.scheduler.step_timeout_s,
+                                      self._on_stall)
         built.put(self.engine)
         self._run()
 
@@ -201,6 +211,7 @@ class AsyncEngine:
     def _step(self) -> None:
         before = self.engine.generation_tokens_total
         start, batched = time.monotonic(), self.engine.num_batched_tokens_total
+        self._watchdog.begin(self.engine.num_steps + 1)
         try:
             outputs = self.engine.step()
         except Exception as e:  # a failure inside the model: fail what was in flight
@@ -210,6 +221,8 @@ class AsyncEngine:
             if self.engine.failed is not None:  # a tensor-parallel rank is gone: stop serving
                 self._stopping = True
             return
+        finally:
+            self._watchdog.end()
         for rid, err in self.engine.pop_errors():
             self._deliver(rid, err)
         now = time.monotonic()
@@ -240,6 +253,15 @@ class AsyncEngine:
     def _fail_all(self, err: BaseException) -> None:
         for rid in list(self._streams):
             self._deliver(rid, err)
+
+    def _on_stall(self, err: EngineStalledError) -> None:
+        """The watchdog's thread: a step outlived its bound. Fail every open stream, refuse new
+        requests, and stop the loop should the step ever return."""
+        frame = sys._current_frames().get(self._thread.ident or 0)
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
+        logger.error("%s. The step loop's stack:\n%s", err, stack)
+        self._stopping = True
+        self._fail_all(err)
 
 
 def _put_all(items: list[tuple[asyncio.Queue[_Item], _Item]]) -> None:

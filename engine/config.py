@@ -102,6 +102,13 @@ class SchedulerConfig(_Strict):
         "mixes decodes and prompt chunks. None: on CPUs only, where a step's matmuls cost "
         "about the sum of its parts (on GPUs a decode batch takes prompt tokens almost free)."
     )
+    step_timeout_s: float | None = Field(
+        300.0, gt=0.0, description="AsyncEngine's watchdog: once one step has run this long, "
+        "check_health fails, every open stream ends with EngineStalledError and new requests "
+        "fail at once (a Serve Worker is replaced). Loading and warm-up are not steps; a first "
+        "step's kernel compiles and a slow CPU's full prefill chunk are: raise it for big "
+        "models on CPUs. None: no watchdog."
+    )
 
 
 class ParallelConfig(_Strict):

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PRODUCT = ("engine", "kernels", "serve_app", "deploy")
 MAX_FILE_LINES = 300
 MAX_FUNCTION_LINES = 50
-MAX_ENGINE_CORE_CODE_LINES = 2500
+MAX_ENGINE_CORE_CODE_LINES = 2600
 FORBIDDEN_IMPORTS = {"kernels": ("engine", "serve_app"), "engine": ("serve_app", "ray")}
 
 
