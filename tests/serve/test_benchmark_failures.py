@@ -192,3 +192,26 @@ def test_stream_check_verdicts():
     assert failure(_count(_chunk(" a", None), _chunk(" b", None, "length"), "[DONE]"), 2,
                    True) == ""
     assert failure(_count(_chunk("", [1], "length"), "[DONE]"), 1, True) == "no output"
+
+
+def test_this_apps_own_stream_passes_and_its_error_event_fails():
+    """The Router's shapes (serve_app/responses.py, router.py's _sse): merged steps, a token
+    whose text is held back, usage, [DONE]; and a request failing mid-stream."""
+    from serve_app.errors import APIError
+    from serve_app.responses import SSE_DONE, CompletionFormat, sse
+    from serve_app.streams import Delta, Usage
+
+    def stream(steps_sent: int, tail: list[str]) -> StreamCount:
+        fmt = CompletionFormat("cmpl-1", "m", None, 1, prompt_token_ids=[[1, 2, 3]])
+        steps = [[Delta(0, " a b", [5, 6])], [Delta(0, "", [7])], [Delta(0, " c", [8], "length")]]
+        events = [sse(c) for step in steps[:steps_sent] for c in fmt.stream_chunks(step)]
+        count = StreamCount()
+        for line in "".join([*events, *tail]).splitlines():
+            count.feed(line)
+        return count
+
+    usage = CompletionFormat("cmpl-1", "m", None, 1).usage_chunk(Usage(3, 4))
+    done = stream(3, [sse(usage), SSE_DONE])
+    assert (failure(done, 4, ignore_eos=True), done.tokens(), done.text_chunks) == ("", 4, 2)
+    failed = stream(1, [sse(APIError(500, "Worker died").body()), SSE_DONE])
+    assert failure(failed, 4, ignore_eos=True) == "sse error" and "Worker died" in failed.error
