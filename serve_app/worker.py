@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from ray import serve
 
 from engine.config import EngineConfig
+from engine.health import EngineDeadError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import AsyncEngineStats
@@ -157,6 +158,9 @@ class Worker:
         except ValueError as exc:
             put(wire.ErrorPart(key, 400, str(exc)))
             return
+        except EngineDeadError as exc:  # stopped or stalled: Serve replaces this replica
+            put(wire.ErrorPart(key, 503, str(exc)))
+            return
         except Exception as exc:  # the engine failed: report it for this request, keep serving
             logger.exception("request %s failed", req.request_id)
             put(wire.ErrorPart(key, 500, f"engine error: {type(exc).__name__}: {exc}"))
@@ -223,9 +227,8 @@ class Worker:
                 "output_tokens_per_s": s["output_tokens_per_s"]}
 
     def check_health(self) -> None:
-        if not self.engine.is_running:
-            raise RuntimeError("the engine's step loop has stopped")
-        self.engine.check_health()  # fails when a tensor-parallel rank actor has died
+        """Serve's probe, on this replica's event loop (the engine's check never blocks)."""
+        self.engine.check_health()  # a stalled step, a stopped loop, a dead rank
 
     def __del__(self) -> Awaitable[None] | None:
         """Stop the engine. Serve calls this when it removes the replica and awaits the result.

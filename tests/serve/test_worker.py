@@ -1,6 +1,7 @@
 """The Worker without Ray Serve: a real ``AsyncEngine`` on a small checkpoint, given to the
-Worker through ``engine_factory``, answering batches, aborts, joins and reports; and the
-Router's vocabulary bound, which is the engine's (``model_info()["vocab_size"]``)."""
+Worker through ``engine_factory``, answering batches, aborts, joins and reports; a stalled
+engine's 503s and failed health check; and the Router's vocabulary bound, which is the
+engine's (``model_info()["vocab_size"]``)."""
 
 from __future__ import annotations
 
@@ -37,10 +38,11 @@ def _params(max_tokens: int) -> SamplingParams:
                           detokenize=False, output_kind="delta")
 
 
-def _run(config: AppConfig, test) -> None:
-    """Run ``test(worker)`` on a Worker whose engine is an ``AsyncEngine`` of ``config``."""
+def _run(config: AppConfig, test, engine_cfg=None) -> None:
+    """Run ``test(worker)`` on a Worker whose engine is an ``AsyncEngine`` of ``config`` (or of
+    ``engine_cfg``)."""
     async def main() -> None:
-        worker = Worker(config, engine_factory=lambda cfg: AsyncEngine(cfg.engine),
+        worker = Worker(config, engine_factory=lambda cfg: AsyncEngine(engine_cfg or cfg.engine),
                         replica_id="w1")
         try:
             await test(worker)
@@ -177,3 +179,45 @@ def test_stop_string_aborts_count_as_stops_and_cache_info(config, recorded):  # 
                                          "enable_prefix_caching": "True"}
 
     _run(config, test)
+
+
+def test_a_stalled_engine_answers_503_fails_its_health_check_and_refuses_new_batches(
+        config, monkeypatch):
+    """A step hung past ``step_timeout_s``: the open request ends with a 503 naming the stall,
+    which the Router's stream turns into OpenAI's 503 body; ``check_health`` (Serve's probe)
+    raises the same message, and a new batch is refused at once, not queued."""
+    from engine.health import EngineStalledError
+    from serve_app.batcher import Batch, EngineRequest
+    from serve_app.streams import ResponseStream
+    from serve_app.worker_client import fan_out
+    from tests.engine.test_step_watchdog import STALL, Hang
+
+    engine_cfg = config.engine.model_copy(deep=True)
+    engine_cfg.scheduler.step_timeout_s = 0.5
+
+    async def test(worker: Worker) -> None:
+        hang = Hang(worker.engine, monkeypatch)
+        hang.hold.set()
+        try:
+            routed = EngineRequest([0, 5, 9], _params(4))
+            stream = worker.generate_batch([routed.wire()])
+            await asyncio.wait_for(fan_out(Batch([routed]), stream), 10)
+            assert routed.finished
+            with pytest.raises(APIError) as err:  # the Worker's ErrorPart, as the Router reads it
+                await anext(ResponseStream([routed], worker.engine.tokenizer, [], False, True,
+                                           None, lambda r, reason: None).deltas())
+            body = err.value.body()["error"]
+            assert (err.value.status, body["type"]) == (503, "service_unavailable_error")
+            assert STALL.fullmatch(body["message"])
+            with pytest.raises(EngineStalledError, match=STALL):
+                worker.check_health()
+            start = time.monotonic()
+            late = [m async for m in worker.generate_batch(
+                [WorkerRequest("late", [0, 7], _params(2))])]
+            assert time.monotonic() - start < 0.2
+            (refused,) = _ends(late)
+            assert refused.status == 503 and STALL.fullmatch(refused.message)
+        finally:
+            hang.hold.clear()
+
+    _run(config, test, engine_cfg)
