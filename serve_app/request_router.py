@@ -17,8 +17,10 @@ received yet: the Worker reports how many requests it has received per ``stream_
 Router), and the handle counts what it sent per replica and key, so a report taken while a batch
 is still in transit never hides it (clocks play no part). Serve's ``on_request_completed`` is
 not used because in Ray 2.60 it fires as soon as a *streaming* call's first message arrives.
-Ties go to the replica with more free KV blocks. Prefix ownership is what this handle has
-sent where: chained hashes of ``prefix_chunk_tokens``-token prompt chunks, kept in an LRU.
+Ties go to the replica with more free KV blocks. A replica whose engine has stalled or stopped
+(its report's ``stopped``) comes last and gets no prefix affinity: until Serve replaces it, it
+only answers 503. Prefix ownership is what this handle has sent where: chained hashes of
+``prefix_chunk_tokens``-token prompt chunks, kept in an LRU.
 """
 
 from __future__ import annotations
@@ -82,10 +84,11 @@ class WorkerRequestRouter(RequestRouter):
         in_transit = sum(max(0, n - received.get(key, 0)) for key, n in sent.items())
         return int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0)) + in_transit
 
-    def _load_key(self, replica: RunningReplica) -> tuple[int, float]:
+    def _load_key(self, replica: RunningReplica) -> tuple[bool, int, float]:
         stats = _stats(replica)
         total = stats.get("num_total_blocks") or 1
-        return self.load(replica), -stats.get("num_free_blocks", total) / total
+        return (stats.get("stopped", False), self.load(replica),
+                -stats.get("num_free_blocks", total) / total)
 
     # ---- prefix affinity -------------------------------------------------------------------
 
@@ -93,7 +96,7 @@ class WorkerRequestRouter(RequestRouter):
                         prefix_hashes: list[list[int]] | None) -> RunningReplica | None:
         if not prefix_hashes or len(ranked) < 2:
             return None
-        by_id = {r.replica_id.unique_id: r for r in ranked}
+        by_id = {r.replica_id.unique_id: r for r in ranked if not _stats(r).get("stopped")}
         matched: dict[str, int] = {}
         for hashes in prefix_hashes:
             for rid, depth in self._match(hashes).items():

@@ -164,6 +164,7 @@ class RoutingStats(TypedDict):
     num_free_blocks: int
     num_total_blocks: int
     received: dict[str, int]  # requests received per ``stream_key`` (per Router)
+    stopped: bool  # its engine stalled or stopped: it answers 503 until Serve replaces it
 
 
 class AutoscalingStats(TypedDict):

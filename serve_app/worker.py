@@ -214,7 +214,7 @@ class Worker:
         waiting = max(s["num_waiting"], len(self._pumps) - s["num_running"])
         return {"num_waiting": waiting, "num_running": s["num_running"],
                 "num_free_blocks": s["num_free_blocks"], "num_total_blocks": s["num_total_blocks"],
-                "received": dict(self._received)}
+                "received": dict(self._received), "stopped": not self.engine.is_running}
 
     def record_autoscaling_stats(self) -> wire.AutoscalingStats:
         """The real load, for ``serve_app.autoscaling.QueueDepthPolicy``: one handle call carries

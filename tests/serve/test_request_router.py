@@ -1,5 +1,6 @@
 """``WorkerRequestRouter`` without a Ray cluster: least loaded, prefix affinity, control calls to
-the replica they name, and a retried batch kept away from its dead replica."""
+the replica they name, a retried batch kept away from its dead replica, and a replica whose
+engine stopped (stalled) ranked last."""
 
 from __future__ import annotations
 
@@ -113,3 +114,20 @@ def test_a_retried_batch_never_goes_back_to_the_dead_replica():
     assert choose([dead, busy], requests=[1]) == ["dead", "busy"]  # least loaded first
     assert choose([dead, busy], requests=[1], avoid_replica="dead") == ["busy"]
     assert choose([dead], requests=[1], avoid_replica="dead") == []  # wait for another one
+
+
+def test_a_replica_whose_engine_stopped_comes_last_and_loses_its_prefix_affinity():
+    """A stalled engine (``step_timeout_s``) answers 503 until Serve replaces its replica:
+    batches go to the others first, even a batch whose prefix it holds; alone, it still gets
+    them (a fast 503, not a wait)."""
+    router = _router()
+    a, b = _replica("a", running=2), _replica("b")
+    hashes = [prefix_hashes(list(range(20)), 4)]
+    router.on_request_routed(_pending(requests=[1], prefix_hashes=hashes), a.replica_id, None)
+    a.routing_stats["received"] = {"": 1}
+    assert _choose(router, [a, b], _pending(requests=[1], prefix_hashes=hashes)) == ["a", "b"]
+    a.routing_stats["stopped"] = True
+    assert _choose(router, [a, b], _pending(requests=[1], prefix_hashes=hashes)) == ["b", "a"]
+    a.routing_stats["num_running"], b.routing_stats["num_running"] = 0, 3  # a: less loaded
+    assert _choose(router, [a, b], _pending(requests=[1])) == ["b", "a"]
+    assert _choose(router, [a], _pending(requests=[1])) == ["a"]

@@ -185,7 +185,8 @@ def test_a_stalled_engine_answers_503_fails_its_health_check_and_refuses_new_bat
         config, monkeypatch):
     """A step hung past ``step_timeout_s``: the open request ends with a 503 naming the stall,
     which the Router's stream turns into OpenAI's 503 body; ``check_health`` (Serve's probe)
-    raises the same message, and a new batch is refused at once, not queued."""
+    raises the same message, its routing report says ``stopped``, and a new batch is refused at
+    once, not queued."""
     from engine.health import EngineStalledError
     from serve_app.batcher import Batch, EngineRequest
     from serve_app.streams import ResponseStream
@@ -211,6 +212,7 @@ def test_a_stalled_engine_answers_503_fails_its_health_check_and_refuses_new_bat
             assert STALL.fullmatch(body["message"])
             with pytest.raises(EngineStalledError, match=STALL):
                 worker.check_health()
+            assert worker.record_routing_stats()["stopped"]  # routed to last from now on
             start = time.monotonic()
             late = [m async for m in worker.generate_batch(
                 [WorkerRequest("late", [0, 7], _params(2))])]
