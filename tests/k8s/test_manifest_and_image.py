@@ -42,3 +42,17 @@ def test_image_copies_every_package_and_the_policies():
     assert packages | {"deploy", "pyproject.toml", "README.md"} <= copied
     ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()}
     assert not (packages | {"deploy", "README.md", "pyproject.toml"}) & ignored
+
+
+def test_build_arguments_stay_out_of_the_image_environment():
+    """A build argument is in the environment of the RUN steps after it; an ENV that copies one
+    puts it in every container's environment and in `docker inspect` (an index URL with a token
+    in it, for one)."""
+    text = DOCKERFILE.read_text().replace("\\\n", " ")  # one line per instruction
+    args = set(re.findall(r"^ARG (\w+)", text, re.M))
+    assert {"RAY_VERSION", "PIP_EXTRA_INDEX_URL"} <= args
+    envs = re.findall(r"^ENV (.*)$", text, re.M)
+    assert envs, "the check below would pass on a Dockerfile it cannot read"
+    for env in envs:
+        copied = sorted(a for a in args if re.search(rf"\${{?{a}\b|\b{a}=", env))
+        assert not copied, f"ENV copies the build arguments {copied}: ENV {env}"
