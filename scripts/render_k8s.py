@@ -22,8 +22,8 @@ CHART = ROOT / "k8s" / "chart"
 MANIFEST = ROOT / "k8s" / "rayservice.yaml"
 RELEASE = "pagedserve"
 
-# The order `helm install` applies them in: what a RayService mounts comes first.
-_KIND_ORDER = ["PodDisruptionBudget", "Secret", "RayService", "PodMonitor"]
+# The order `helm install` applies them in: what guards and what a RayService mounts come first.
+_KIND_ORDER = ["NetworkPolicy", "PodDisruptionBudget", "Secret", "RayService", "PodMonitor"]
 _DOC_SEPARATOR = re.compile(r"^---[ \t]*$", re.M)
 _HEADER = """\
 # pagedserve as a KubeRay RayService: k8s/chart rendered with {values}

@@ -286,7 +286,8 @@ def test_named_policy_bounds_match_the_bundled_policy(case):
 
 
 @pytest.mark.parametrize("ingress, env", [
-    ("haproxy", {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}),
+    ("haproxy", {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+                 "RAY_SERVE_HAPROXY_BINARY_PATH": "/home/ray/anaconda3/bin/pagedserve-haproxy"}),
     ("proxy", {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_PROXY_USE_GRPC": "1"}),
 ])
 def test_ingress_mode_reaches_every_ray_container(ingress, env):

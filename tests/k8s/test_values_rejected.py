@@ -60,6 +60,21 @@ REJECTED = [
     pytest.param({"apiKey": {"enabled": True, "existingSecret": "k", "value": "v"}},
                  "apiKey: set either existingSecret or value, not both", id="two-key-sources"),
     pytest.param({"service": {"type": "ExternalName"}}, "at '/service/type'", id="service-type"),
+    # Port 8000 from outside the cluster with no key: the user says so, or sets a key.
+    pytest.param({"service": {"type": "LoadBalancer"}},
+                 "service.type is LoadBalancer and apiKey.enabled is false", id="open-lb"),
+    pytest.param({"service": {"type": "NodePort"}},
+                 "service.type is NodePort and apiKey.enabled is false", id="open-nodeport"),
+    pytest.param({"service": {"allowUnauthenticated": "yes"}},
+                 "at '/service/allowUnauthenticated'", id="opt-in-not-boolean"),
+    # NetworkPolicy peers: the API server would refuse the whole policy.
+    pytest.param({"networkPolicy": {"ingressFrom": [{"namespaceSelecter": {}}]}},
+                 "additional properties 'namespaceSelecter' not allowed", id="peer-typo"),
+    pytest.param({"networkPolicy": {"metricsFrom": [{"ipBlock": {"cidr": "10.0.0.0/8"},
+                                                      "podSelector": {}}]}},
+                 "at '/networkPolicy/metricsFrom/0'", id="ip-block-with-selector"),
+    pytest.param({"networkPolicy": {"operatorFrom": []}},
+                 "at '/networkPolicy/operatorFrom'", id="no-operator-peer"),
     pytest.param({"tensorParalelSize": 2}, "additional properties 'tensorParalelSize' not allowed",
                  id="typo-top-level"),
     # The API server drops unknown securityContext keys silently: a typo would lose a protection.

@@ -128,10 +128,20 @@ runtimeClassName: {{ . }}
 {{- end -}}
 
 {{/*
-Settings every Ray process on the pod reads when it starts: Ray Serve's ingress (values.ingress),
-and the raylet's niceness for the worker processes it starts (Ray's default, 15, lets any other
-process on the node preempt the engine's matmul threads; serve_app.serve_at_normal_priority).
-Then the pod role's (.role) containerEnv, which wins over these for a name set twice, and envFrom.
+Where deploy/Dockerfile's image has the pagedserve-haproxy command (the package's console script;
+the image's build checks the path). Serve starts it as HAProxy: it binds HAProxy's statistics
+page (8404) and Prometheus exporter (9101), which Ray's config binds to every interface, to
+127.0.0.1, ties HAProxy to the actor that starts it, then becomes HAProxy
+(serve_app/haproxy_launcher.py).
+*/}}
+{{- define "pagedserve.haproxyLauncher" -}}/home/ray/anaconda3/bin/pagedserve-haproxy{{- end -}}
+
+{{/*
+Settings every Ray process on the pod reads when it starts: Ray Serve's ingress (values.ingress;
+with HAProxy, the launcher above as its binary), and the raylet's niceness for the worker
+processes it starts (Ray's default, 15, lets any other process on the node preempt the engine's
+matmul threads; serve_app.serve_at_normal_priority). Then the pod role's (.role) containerEnv,
+which wins over these for a name set twice, and envFrom.
 */}}
 {{- define "pagedserve.rayEnv" -}}
 env:
@@ -139,6 +149,7 @@ env:
 {{- if eq .root.Values.ingress "haproxy" }}
   - {name: RAY_SERVE_ENABLE_HA_PROXY, value: "1"}
   - {name: RAY_SERVE_THROUGHPUT_OPTIMIZED, value: "1"}
+  - {name: RAY_SERVE_HAPROXY_BINARY_PATH, value: {{ include "pagedserve.haproxyLauncher" . }}}
 {{- else }}
   - {name: RAY_SERVE_ENABLE_HA_PROXY, value: "0"}
   - {name: RAY_SERVE_PROXY_USE_GRPC, value: "1"}

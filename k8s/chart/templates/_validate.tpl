@@ -38,6 +38,10 @@ what to change; rayservice.yaml includes this before it renders anything.
 {{- end -}}
 {{- end -}}
 
+{{- if and (has .Values.service.type (list "NodePort" "LoadBalancer")) (not .Values.apiKey.enabled) (not .Values.service.allowUnauthenticated) -}}
+{{- fail (printf "service.type is %s and apiKey.enabled is false: port 8000 would answer anyone who reaches a node or the load balancer, with no key. Set apiKey.enabled=true (the Router then requires a bearer key), or service.allowUnauthenticated=true where something else keeps strangers out (a private network, an authenticating proxy), or keep service.type ClusterIP" .Values.service.type) -}}
+{{- end -}}
+
 {{- if and .Values.apiKey.enabled .Values.apiKey.existingSecret .Values.apiKey.value -}}
 {{- fail "apiKey: set either existingSecret or value, not both" -}}
 {{- end -}}
