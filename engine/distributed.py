@@ -1,15 +1,23 @@
 """Tensor-parallel process groups and collectives.
 
 With one rank (the default) no group exists and every collective is the identity, so layers are
-written tensor-parallel-ready and still run as plain layers. With N ranks, rank 0 opens a
-``TCPStore`` on a free port, ranks 1..N-1 connect to it, and all join one ``torch.distributed``
-group: NCCL on CUDA, gloo on the CPU. Step metadata always travels over gloo (a CPU group of its
+written tensor-parallel-ready and still run as plain layers. With N ranks, all join one
+``torch.distributed`` group (NCCL on CUDA, gloo on the CPU) through a rendezvous ``FileStore``:
+a file in a folder of rank 0's that only its user can open. The ranks of one engine always share
+a node, so no rendezvous port is opened at all, and the groups' own sockets (gloo's pairs, NCCL's
+bootstrap) are bound to the loopback interface (``GLOO_SOCKET_IFNAME`` and
+``NCCL_SOCKET_IFNAME`` set to ``lo`` in each rank's process): nothing the group opens can be
+reached from another machine. Step metadata always travels over gloo (a CPU group of its
 own next to NCCL), so ranks idle between steps without NCCL's watchdog firing. One group per
 process: a process runs at most one tensor-parallel engine at a time.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import shutil
+import tempfile
 from datetime import timedelta
 
 import torch
@@ -19,6 +27,10 @@ import torch.distributed as dist
 # a collective at once (its sockets close), so this bound only covers a peer that hangs.
 IDLE_TIMEOUT = timedelta(days=365)
 STORE_TIMEOUT = timedelta(minutes=10)
+LOOPBACK_INTERFACE = "lo"
+SOCKET_INTERFACE_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+logger = logging.getLogger(__name__)
 
 _cpu_group: dist.ProcessGroup | None = None
 
@@ -82,14 +94,37 @@ def check_tp_sizes(tp: int, *, num_heads: int, num_kv_heads: int, vocab_size: in
                          f"num_key_value_heads ({num_kv_heads}), so KV heads cannot be replicated")
 
 
-def master_store(host: str, world_size: int) -> dist.TCPStore:
-    """Rank 0's rendezvous store on a free port (``store.port``)."""
-    return dist.TCPStore(host, 0, world_size, is_master=True, timeout=STORE_TIMEOUT,
-                         wait_for_workers=False)
+class Rendezvous:
+    """Rank 0's rendezvous folder (mode 0700): ``path`` names the store's file, which every
+    rank opens with ``open_store``; ``close`` removes the folder."""
+
+    def __init__(self) -> None:
+        self.folder: str | None = tempfile.mkdtemp(prefix="pagedserve-tp-")
+        self.path = os.path.join(self.folder, "store")
+
+    def close(self) -> None:
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
 
 
-def client_store(host: str, port: int, world_size: int) -> dist.TCPStore:
-    return dist.TCPStore(host, port, world_size, is_master=False, timeout=STORE_TIMEOUT)
+def open_store(path: str, world_size: int) -> dist.FileStore:
+    """The rendezvous store every rank of a group opens (``Rendezvous.path``)."""
+    store = dist.FileStore(path, world_size)
+    store.set_timeout(STORE_TIMEOUT)
+    return store
+
+
+def bind_to_loopback() -> None:
+    """Gloo and NCCL open their sockets on the loopback interface in this process: the ranks
+    of one engine share a node, and nothing else may reach them. Replaces a value set before
+    (logged): a multi-node setting has no use here."""
+    for name in SOCKET_INTERFACE_VARS:
+        if os.environ.get(name, LOOPBACK_INTERFACE) != LOOPBACK_INTERFACE:
+            logger.warning("%s=%s replaced by %s: the ranks of a tensor-parallel engine share "
+                           "a node and talk over loopback only", name, os.environ[name],
+                           LOOPBACK_INTERFACE)
+        os.environ[name] = LOOPBACK_INTERFACE
 
 
 def init_tp_group(store: dist.Store, rank: int, world_size: int, device: torch.device) -> None:
@@ -98,6 +133,7 @@ def init_tp_group(store: dist.Store, rank: int, world_size: int, device: torch.d
     if dist.is_initialized():
         raise RuntimeError("a torch.distributed group is already initialised in this process; "
                            "one tensor-parallel engine per process (shut the other down first)")
+    bind_to_loopback()
     if device.type == "cuda":
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())

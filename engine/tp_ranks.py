@@ -1,7 +1,7 @@
 """Tensor-parallel ranks 1..N-1: what they run, and how rank 0 starts and stops them.
 
-Rank 0 is the engine's own process. ``RankGroup.start`` opens the rendezvous store on a free
-port, has a ``RankLauncher`` start the other ranks (``ProcessLauncher``: spawned processes for
+Rank 0 is the engine's own process. ``RankGroup.start`` opens the rendezvous store (a file in a
+private folder: the ranks share a node, and no port is opened), has a ``RankLauncher`` start the other ranks (``ProcessLauncher``: spawned processes for
 the offline ``LLM``; the serving layer injects one that starts Ray actors), waits until each has
 connected, then joins the group with them. Each other rank runs ``run_rank``: join the group,
 load its shard, then run the steps rank 0 broadcasts until rank 0 sends the exit message.
@@ -28,11 +28,11 @@ import torch
 
 from engine.config import EngineConfig
 from engine.distributed import (
+    Rendezvous,
     check_tp_sizes,
-    client_store,
     destroy_tp_group,
     init_tp_group,
-    master_store,
+    open_store,
     tp_size,
 )
 
@@ -49,8 +49,7 @@ class RankSpec:
 
     rank: int
     world_size: int
-    host: str
-    port: int
+    store_path: str  # the rendezvous file (``engine.distributed.Rendezvous``)
     config: EngineConfig
     model_path: str
     dtype: str  # torch dtype name, e.g. "float32"
@@ -66,7 +65,7 @@ def run_rank(spec: RankSpec) -> None:
     device = torch.device(spec.device)
     if device.type == "cpu":
         torch.set_num_threads(spec.config.device.cpu_threads(share=spec.world_size))
-    store = client_store(spec.host, spec.port, spec.world_size)
+    store = open_store(spec.store_path, spec.world_size)
     store.set(f"rank{spec.rank}", "up")
     init_tp_group(store, spec.rank, spec.world_size, device)
     try:
@@ -79,8 +78,8 @@ def run_rank(spec: RankSpec) -> None:
 
 
 class RankLauncher(Protocol):
-    """Starts ranks 1..N-1 somewhere that can reach ``spec.host``; the serving layer's starts
-    Ray actors in the replica's placement group."""
+    """Starts ranks 1..N-1 on this node (they open ``spec.store_path``); the serving layer's
+    starts Ray actors in the replica's placement group."""
 
     def rank_device(self, rank: int, world_size: int, device: torch.device) -> str:
         """The device ``rank`` uses, as it names it (``ValueError`` when there is none)."""
@@ -97,20 +96,22 @@ class RankLauncher(Protocol):
 class RankGroup:
     """Rank 0's handle on the group: the store, the launcher, and how to stop them."""
 
-    def __init__(self, launcher: RankLauncher, store: torch.distributed.TCPStore) -> None:
-        self.launcher = launcher
-        self.store: torch.distributed.TCPStore | None = store  # None once stopped
+    def __init__(self, launcher: RankLauncher, rendezvous: Rendezvous,
+                 store: torch.distributed.Store) -> None:
+        self.launcher, self.rendezvous = launcher, rendezvous
+        self.store: torch.distributed.Store | None = store  # None once stopped
 
     @classmethod
     def start(cls, launcher: RankLauncher, world_size: int, device: torch.device,
               **spec_fields: Any) -> RankGroup:
         """Start ranks 1..``world_size``-1 and join the group as rank 0."""
         devices = [launcher.rank_device(r, world_size, device) for r in range(1, world_size)]
-        store = master_store("127.0.0.1", world_size)  # ranks share a node (STRICT_PACK)
-        group = cls(launcher, store)
+        rendezvous = Rendezvous()  # ranks share a node (STRICT_PACK, or local processes)
+        store = open_store(rendezvous.path, world_size)
+        group = cls(launcher, rendezvous, store)
         try:
-            launcher.launch([RankSpec(r, world_size, "127.0.0.1", store.port, device=d,
-                                      **spec_fields) for r, d in enumerate(devices, start=1)])
+            launcher.launch([RankSpec(r, world_size, rendezvous.path, device=d, **spec_fields)
+                             for r, d in enumerate(devices, start=1)])
             group._wait_connected(store, world_size)
             init_tp_group(store, 0, world_size, device)
         except BaseException:
@@ -118,7 +119,7 @@ class RankGroup:
             raise
         return group
 
-    def _wait_connected(self, store: torch.distributed.TCPStore, world_size: int) -> None:
+    def _wait_connected(self, store: torch.distributed.Store, world_size: int) -> None:
         keys = [f"rank{r}" for r in range(1, world_size)]
         deadline = time.monotonic() + START_TIMEOUT_S
         while not store.check(keys):
@@ -137,6 +138,7 @@ class RankGroup:
         self.launcher.stop(timeout_s)
         destroy_tp_group()
         self.store = None
+        self.rendezvous.close()
 
 
 def check_tp_start(world_size: int, hf: HFConfig) -> None:

@@ -14,8 +14,7 @@ import torch.multiprocessing as tmp
 from safetensors.torch import load_file
 
 from engine import LLM
-from engine.distributed import client_store, destroy_tp_group, init_tp_group
-from engine.distributed import master_store as open_store
+from engine.distributed import Rendezvous, destroy_tp_group, init_tp_group, open_store
 from engine.layers.moe import select_experts
 from tests.checkpoints import make_checkpoint
 from tests.engine.test_tensor_parallel import (
@@ -61,13 +60,13 @@ def test_tp2_matches_tp1(ckpts, name):
     assert rank_children() == []
 
 
-def _check_expert_shards(rank: int, port: int, paths: list[str]) -> None:
+def _check_expert_shards(rank: int, store_path: str, paths: list[str]) -> None:
     """Per rank of 2: every expert's gate and up rows and down columns of this rank, stacked."""
     from engine.loader import load_weights
     from engine.models.hf_config import HFConfig
     from engine.models.registry import model_class
 
-    init_tp_group(client_store("127.0.0.1", port, 2), rank, 2, torch.device("cpu"))
+    init_tp_group(open_store(store_path, 2), rank, 2, torch.device("cpu"))
     try:
         for path in paths:
             hf = HFConfig.load(path)
@@ -91,9 +90,12 @@ def _check_expert_shards(rank: int, port: int, paths: list[str]) -> None:
 
 
 def test_each_rank_stacks_its_half_of_every_expert(ckpts):
-    store = open_store("127.0.0.1", 2)
-    tmp.spawn(_check_expert_shards, args=(store.port, [str(p) for p in ckpts.values()]),
-              nprocs=2, join=True)
+    rendezvous = Rendezvous()
+    try:
+        tmp.spawn(_check_expert_shards, args=(rendezvous.path, [str(p) for p in ckpts.values()]),
+                  nprocs=2, join=True)
+    finally:
+        rendezvous.close()
 
 
 @pytest.mark.parametrize("method", ["int8", "fp8"])

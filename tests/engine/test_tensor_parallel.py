@@ -20,8 +20,13 @@ import torch.multiprocessing as tmp
 from safetensors.torch import load_file
 
 from engine import LLM, SamplingParams, StructuredOutputsParams
-from engine.distributed import check_tp_sizes, client_store, destroy_tp_group, init_tp_group
-from engine.distributed import master_store as open_store
+from engine.distributed import (
+    Rendezvous,
+    check_tp_sizes,
+    destroy_tp_group,
+    init_tp_group,
+    open_store,
+)
 from engine.llm_engine import TensorParallelError
 from engine.tp_ranks import check_device_count
 from tests.checkpoints import make_checkpoint, make_compressed_checkpoint
@@ -172,7 +177,7 @@ def expected_shards(full: dict[str, torch.Tensor], cfg: dict, rank: int, tp: int
     return out
 
 
-def _check_rank_shards(rank: int, port: int, paths: list[str]) -> None:
+def _check_rank_shards(rank: int, store_path: str, paths: list[str]) -> None:
     """Runs in a spawned process per rank: load each checkpoint as rank ``rank`` of 2 and
     compare every parameter with its expected slice. Full reads of sharded tensors fail."""
     from engine.loader import TensorSlice, load_weights
@@ -183,7 +188,7 @@ def _check_rank_shards(rank: int, port: int, paths: list[str]) -> None:
         raise AssertionError("a sharded weight was read whole")
 
     TensorSlice.read = no_full_read
-    init_tp_group(client_store("127.0.0.1", port, 2), rank, 2, torch.device("cpu"))
+    init_tp_group(open_store(store_path, 2), rank, 2, torch.device("cpu"))
     try:
         for path in paths:
             hf = HFConfig.load(path)
@@ -200,9 +205,12 @@ def _check_rank_shards(rank: int, port: int, paths: list[str]) -> None:
 
 
 def test_each_rank_loads_exactly_its_shard(ckpts):
-    store = open_store("127.0.0.1", 2)  # rendezvous only; this process joins no group
-    tmp.spawn(_check_rank_shards, args=(store.port, [str(p) for p in ckpts.values()]),
-              nprocs=2, join=True)
+    rendezvous = Rendezvous()  # this process joins no group
+    try:
+        tmp.spawn(_check_rank_shards, args=(rendezvous.path, [str(p) for p in ckpts.values()]),
+                  nprocs=2, join=True)
+    finally:
+        rendezvous.close()
 
 
 # ---- start-up errors -------------------------------------------------------------------------

@@ -246,17 +246,19 @@ stop.main(sys.argv[2:])
 
 
 class ServeRun:
-    """One ``serve run serve_app:app`` in its own session, Ray temp dir and marker."""
+    """One ``serve run serve_app:app`` (or ``command``) in its own session, Ray temp dir and
+    marker; ``env`` is added to the plain environment it starts from."""
 
-    def __init__(self) -> None:
+    def __init__(self, command: tuple[str, ...] = (SERVE, "run", "serve_app:app"),
+                 **env_vars: str) -> None:
         self.temp_dir = tempfile.mkdtemp(prefix="psl-", dir="/tmp")
         self.mark = f"PAGEDSERVE_LIFECYCLE_TEST={uuid.uuid4().hex}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
         env.update(RAY_TMPDIR=self.temp_dir, PYTHONPATH=str(ROOT),
-                   PAGEDSERVE_LIFECYCLE_TEST=self.mark.split("=", 1)[1])
+                   PAGEDSERVE_LIFECYCLE_TEST=self.mark.split("=", 1)[1], **env_vars)
         self.log = Path(self.temp_dir, "serve-run.log")
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen([SERVE, "run", "serve_app:app"], cwd=ROOT, env=env,
+            self.proc = subprocess.Popen(list(command), cwd=ROOT, env=env,
                                          stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
 
@@ -373,6 +375,24 @@ def listeners(run: ServeRun) -> list[tuple[str, str, str]]:
             for inode in _sockets(pid) if inode in sockets]
 
 
+LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1"}
+
+
+def wide_listeners(run: ServeRun) -> list[tuple[str, str, str]]:
+    """The sockets of ``run`` listening beyond loopback, but for what the README names: Ray
+    2.60 binds each replica's inter-deployment gRPC server to [::]:0 (replica.py), guarded by
+    Ray's token, one such socket per replica process."""
+    sockets = listening()
+    wide = []
+    for pid, cmd in run.processes().items():
+        mine = [(cmd.split()[0], *sockets[inode]) for inode in _sockets(pid) if inode in sockets]
+        mine = [s for s in mine if s[1] not in LOOPBACK]
+        if cmd.startswith("ray::ServeReplica:") and [s[1] for s in mine].count("::") == 1:
+            mine = [s for s in mine if s[1] != "::"]
+        wide += mine
+    return wide
+
+
 def check_live_cluster(run: ServeRun) -> None:
     """What ``build_app`` set reached the cluster that ``serve run`` started."""
     (haproxy,) = run.pids_of("haproxy -db")
@@ -384,16 +404,10 @@ def check_live_cluster(run: ServeRun) -> None:
     replicas = run.pids_of("ray::ServeReplica:default:")
     assert len(replicas) == 2  # a Router and a Worker
     assert {os.getpriority(os.PRIO_PROCESS, pid) for pid in [*replicas, haproxy]} == {0}
-    loopback = {"127.0.0.1", "::ffff:127.0.0.1"}
-    # Ray 2.60 binds each replica's inter-deployment gRPC server to [::]:0 (replica.py), guarded
-    # by Ray's token; everything else stays on this machine
-    wide = [(cmd, address, port) for cmd, address, port in listeners(run)
-            if address not in loopback
-            and not (cmd.startswith("ray::ServeReplica:") and address == "::")]
-    assert wide == []
+    assert wide_listeners(run) == []
 
     def bound() -> set[int]:
-        return {int(port) for _, address, port in listeners(run) if address in loopback}
+        return {int(port) for _, address, port in listeners(run) if address in LOOPBACK}
 
     # HAProxy reloads when Serve's controller rewrites its config: its sockets may be between
     # processes for a moment right after /health answers (seen once on a loaded machine)
