@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 
 # Before anything imports the engine: the default model is built in a folder of this run's own,
@@ -43,26 +44,37 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-# Ray's core worker and gRPC keep native threads running in this process after
-# ``ray.shutdown()`` (``worker.io``, ``gcs_client_io_s``, gRPC event engines) that still run
-# while the interpreter finalizes. A CI run died with SIGSEGV there, after every test had passed
-# and the summary was printed. The verdict is final by then, so a session that used Ray leaves
-# without finalizing the interpreter, with pytest's own exit status.
-_exit_status: int | None = None
-
-
+# A session that used Ray stops it before the interpreter finalizes: the cluster of a module that
+# failed half-way, then the asyncio loop Serve's handles run on (a daemon thread of Ray's that
+# would otherwise still be running while Python tears down its modules). Ray's core worker keeps
+# native threads after ``ray.shutdown()`` (``worker.io``, ``gcs_client_io_s``); with nothing left
+# for them to call back into, the interpreter then finalizes as usual, so an error raised after
+# the verdict still shows and ``pytest.main()`` returns to its caller.
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus):
-    global _exit_status
-    _exit_status = int(exitstatus)
+    if "ray" in sys.modules:
+        _stop_ray()
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_unconfigure(config):
-    import sys
+def _stop_ray() -> None:
+    import threading
 
-    if _exit_status is None or "ray" not in sys.modules:
+    import ray
+
+    if ray.is_initialized():
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+    router = sys.modules.get("ray.serve._private.router")
+    loop = getattr(getattr(router, "SingletonThreadRouter", None), "_asyncio_loop", None)
+    if loop is None or loop.is_closed():
         return
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(_exit_status)
+    loop.call_soon_threadsafe(loop.stop)
+    for thread in threading.enumerate():
+        if "_run_router_event_loop" in thread.name:
+            thread.join(timeout=10)
+    if not loop.is_running():
+        loop.close()
+    router.SingletonThreadRouter._asyncio_loop = None
+
