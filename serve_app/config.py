@@ -139,7 +139,8 @@ class AppConfig(BaseModel):
         1.0, gt=0.0, description="How often Serve collects each Worker's load for routing."
     )
     health_check_period_s: float = Field(
-        5.0, gt=0.0, description="How often Serve checks that a Worker's engine is alive."
+        5.0, gt=0.0, description="How often Serve checks that a Worker's engine is alive and "
+        "no step has run past step_timeout_s; three failed checks in a row replace the Worker."
     )
     autoscaling: AutoscalingPolicyConfig | None = Field(
         None, description="Worker autoscaling policy (serve_app.autoscaling:QueueDepthPolicy): "
