@@ -216,7 +216,7 @@ def test_a_stalled_engine_answers_503_fails_its_health_check_and_refuses_new_bat
             start = time.monotonic()
             late = [m async for m in worker.generate_batch(
                 [WorkerRequest("late", [0, 7], _params(2))])]
-            assert time.monotonic() - start < 0.2
+            assert time.monotonic() - start < 1.0  # refused, not queued behind the stuck step
             (refused,) = _ends(late)
             assert refused.status == 503 and STALL.fullmatch(refused.message)
         finally:
