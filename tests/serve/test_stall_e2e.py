@@ -14,10 +14,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, cast
 
 import httpx
@@ -59,8 +57,8 @@ class HangingWorker(Worker):
 
 
 @pytest.fixture(scope="module")
-def hang_file():
-    path = Path(tempfile.mkdtemp(prefix="pagedserve-stall-")) / "hang"
+def hang_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("stall") / "hang"
     yield path
     path.unlink(missing_ok=True)
 
