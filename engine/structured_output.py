@@ -3,14 +3,15 @@ any JSON object, a regular expression, one of a list of strings, or an EBNF gram
 
 ``StructuredOutputsParams`` (``SamplingParams.structured_outputs``, as vLLM's) says which; its
 ``validate`` parses the grammar without a tokenizer (cached), so a bad schema, regex or grammar
-is a ``ValueError`` naming it when the request arrives. ``Grammars`` (one per engine) compiles
-a request's grammar against the tokenizer on a worker thread, off the step loop, with a cache
-keyed by the grammar's text; the scheduler admits a request once its grammar is compiled.
+is a ``ValueError`` naming it when the request arrives, and so is one that accepts no output
+at all (``engine.grammar.language``, ``engine.grammar.schema``). ``Grammars`` (one per engine)
+compiles a request's grammar against the tokenizer on a worker thread, off the step loop, with a
+cache keyed by the grammar's text; the scheduler admits a request once its grammar is compiled.
 Each sequence then has its own ``GrammarState`` (an xgrammar matcher): before sampling, the
-matchers of the batch's constrained rows fill one token bitmask and one call masks the logits
-(``engine.layers.sampler.mask_logits``);
-each appended token advances its matcher, and a matcher that reaches the grammar's end finishes
-its sequence ("stop"). A sequence that reaches ``max_tokens`` first ends with "length".
+matchers of the batch's constrained rows fill one
+token bitmask and one call masks the logits (``engine.layers.sampler.mask_logits``); each
+appended token advances its matcher, and a matcher that reaches the grammar's end finishes its
+sequence ("stop"). A sequence that reaches ``max_tokens`` first ends with "length".
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
+from engine.grammar.language import EMPTY_LANGUAGE, grammar_is_empty
+from engine.grammar.schema import contradiction
+
 if TYPE_CHECKING:
     import xgrammar
     from transformers import PreTrainedTokenizerBase
@@ -31,7 +35,7 @@ if TYPE_CHECKING:
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 MAX_SPEC_CHARS = 1 << 20  # characters of a schema, regex or grammar
 MAX_CHOICES = 1024
-_CACHE_SIZE = 256  # compiled grammars kept per engine
+_CACHE_SIZE = 256  # parsed and compiled grammars kept (each, per engine)
 
 
 @dataclass
@@ -89,7 +93,18 @@ def _require(ok: bool, message: str) -> None:
 
 @lru_cache(maxsize=_CACHE_SIZE)
 def parse_grammar(kind: str, text: str) -> xgrammar.Grammar:
-    """The xgrammar ``Grammar`` of a (kind, text) key; ``ValueError`` if it does not parse."""
+    """The xgrammar ``Grammar`` of a (kind, text) key; ``ValueError`` naming the field if it
+    does not parse, or if no output satisfies it."""
+    grammar = _parse(kind, text)
+    reason = contradiction(json.loads(text)) if kind == "json" else None
+    if reason is None and grammar_is_empty(grammar):
+        reason = EMPTY_LANGUAGE[kind]
+    if reason is not None:
+        raise ValueError(f"structured_outputs.{kind} is unsatisfiable: {reason}")
+    return grammar
+
+
+def _parse(kind: str, text: str) -> xgrammar.Grammar:
     import xgrammar as xgr
 
     try:

@@ -48,8 +48,12 @@ def constraint(so: StructuredOutputs | None, fmt: ResponseFormat | None,
                plan: ToolPlan | None) -> StructuredOutputsParams | None:
     """What holds a request's output: its tool choice ("required" or a named function),
     else ``structured_outputs``, else a JSON ``response_format``; ``FieldError`` naming the
-    field when a schema is invalid or two of them are given."""
+    field when a schema is invalid or accepts nothing, or when two of them are given."""
     if plan is not None and plan.mode != "auto":
+        for i, tool in enumerate(plan.tools):  # each tool's schema, named after its field
+            if plan.mode == "required" or tool.function.name == plan.named:
+                _checked(StructuredOutputsParams(json=plan.schema(tool)),
+                         f"tools.{i}.function.parameters")
         return plan.constraint()
     if so is not None:
         if fmt is not None and fmt.type != "text":
@@ -63,10 +67,16 @@ def constraint(so: StructuredOutputs | None, fmt: ResponseFormat | None,
         return StructuredOutputsParams(json_object=True)
     assert fmt.json_schema is not None
     schema = fmt.json_schema.schema_
-    params = StructuredOutputsParams(json=schema if schema is not None else {"type": "object"})
+    return _checked(StructuredOutputsParams(json=schema if schema is not None else
+                                            {"type": "object"}),
+                    "response_format.json_schema.schema")
+
+
+def _checked(params: StructuredOutputsParams, field: str) -> StructuredOutputsParams:
+    """``params`` (a JSON schema) once validated; its errors named after the ``field`` the
+    client sent it in."""
     try:
         params.validate()
-    except ValueError as e:  # named after the field the client sent
-        field = "response_format.json_schema.schema"
+    except ValueError as e:
         raise FieldError(field, str(e).replace("structured_outputs.json is ", "", 1)) from None
     return params
