@@ -111,6 +111,24 @@ class SchedulerConfig(_Strict):
     )
 
 
+class StructuredOutputConfig(_Strict):
+    grammar_compile_timeout_s: float = Field(
+        10.0, gt=0.0, description="Longest a request's grammar (structured output: JSON "
+        "schema, regex, choice, EBNF) may take to compile against the tokenizer, and longest "
+        "it may wait for a compile thread. A grammar past it fails its request with a "
+        "ValueError naming the field and this bound (a Worker answers 400); its compile, which "
+        "cannot be stopped, runs on in the background and its result is dropped. Typical "
+        "schemas take ~0.1 s over a 152k vocabulary (the first compile also builds the "
+        "vocabulary's tables, ~1 s).",
+    )
+    grammar_compile_threads: int = Field(
+        2, ge=1, description="Grammars compiled at once. A compile past "
+        "grammar_compile_timeout_s gives its thread's place to the next grammar while fewer "
+        "than this many such compiles run on in the background, so at most twice this many "
+        "threads ever compile.",
+    )
+
+
 class ParallelConfig(_Strict):
     tensor_parallel_size: int = Field(1, ge=1, description="Ranks one model is sharded across.")
 
@@ -168,6 +186,9 @@ class EngineConfig(_Strict):
     cache: CacheConfig = Field(default_factory=CacheConfig, description="KV-cache settings.")
     scheduler: SchedulerConfig = Field(
         default_factory=SchedulerConfig, description="Batching limits."
+    )
+    structured_output: StructuredOutputConfig = Field(
+        default_factory=StructuredOutputConfig, description="Grammar compiles."
     )
     parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="Sharding.")
     device: DeviceConfig = Field(default_factory=DeviceConfig, description="Placement.")

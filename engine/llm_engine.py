@@ -22,6 +22,7 @@ import torch
 
 from engine.config import EngineConfig, resolve_max_model_len
 from engine.envs import configure_kernels
+from engine.grammar.compiler import Grammars
 from engine.kv_cache_manager import KVCacheManager
 from engine.layers.logits_processors import bad_words_ids, check_vocab_ids
 from engine.loader import resolve_dtype
@@ -36,7 +37,6 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.stats import EngineStats
 from engine.step_executor import StepExecutor, TensorParallelError
-from engine.structured_output import Grammars
 from engine.tokenizer import PromptType, check_vocab, encode_prompt, eos_token_ids, load_tokenizer
 from engine.tp_ranks import check_tp_start, start_ranks, stop_ranks
 
@@ -90,7 +90,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len,
                                    on_cpu=self.device.type == "cpu")
         self.outputs = OutputProcessor(self.tokenizer)
-        self.grammars = Grammars(self.tokenizer, self.hf.vocab_size, self.eos_token_ids)
+        so = config.structured_output
+        self.grammars = Grammars(self.tokenizer, self.hf.vocab_size, self.eos_token_ids,
+                                 so.grammar_compile_timeout_s, so.grammar_compile_threads)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_steps = self.num_batched_tokens_total = 0  # (tokens: prefill chunks + decode)
@@ -194,6 +196,14 @@ class LLMEngine:
         self.abort(request_id)
         self.errors.append((request_id, err))
 
+    def _fail_grammars(self) -> None:
+        """Fail the waiting requests whose grammar did not compile (in time)."""
+        self.grammars.expire()
+        if self.grammars.take_failed():
+            for req, error in self.scheduler.failed_grammars():
+                if req.group_id in self.groups:
+                    self._fail(req.group_id, error)
+
     def pop_errors(self) -> list[tuple[str, Exception]]:
         """Requests that failed in the last steps, with their errors."""
         errors, self.errors = self.errors, []
@@ -204,6 +214,7 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
+        self._fail_grammars()
         sched = self.scheduler.schedule()
         if not sched.scheduled:  # at most a few ms: requests may wait for their grammars
             self.scheduler.wait_for_grammars(timeout=0.005)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import enum
 import time
 
+from engine.grammar.compiler import GrammarState
 from engine.outputs import Logprobs, PromptLogprobs
 from engine.sampling_params import SamplingParams
-from engine.structured_output import GrammarState
 
 
 class RequestStatus(enum.Enum):

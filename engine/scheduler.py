@@ -20,9 +20,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
+from engine.grammar.compiler import Grammars
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
-from engine.structured_output import Grammars
 
 
 @dataclass
@@ -109,9 +109,9 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.popleft()
-            if req.grammar is not None and not req.grammar.compiled.done():
-                skipped.append(req)  # its grammar is still compiling
-                continue
+            if req.grammar is not None and not req.grammar.ready:
+                skipped.append(req)  # its grammar is still compiling (or failed: the engine
+                continue              # fails the request)
             if req.parent is not None and not req.block_ids and not self._fork(req):
                 skipped.append(req)  # waits to share its parent's prompt blocks
                 continue
@@ -130,6 +130,11 @@ class Scheduler:
             out.scheduled.append((req, n))
             budget -= n
         self.waiting.extendleft(reversed(skipped))
+
+    def failed_grammars(self) -> list[tuple[Request, Exception]]:
+        """Waiting requests whose grammar failed to compile, with the errors."""
+        return [(r, e) for r in self.waiting
+                if r.grammar is not None and (e := r.grammar.error) is not None]
 
     def wait_for_grammars(self, timeout: float) -> None:
         """Block until a waiting request's grammar is compiled, at most ``timeout`` s."""

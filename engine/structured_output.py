@@ -4,11 +4,9 @@ any JSON object, a regular expression, one of a list of strings, or an EBNF gram
 ``StructuredOutputsParams`` (``SamplingParams.structured_outputs``, as vLLM's) says which; its
 ``validate`` parses the grammar without a tokenizer (cached), so a bad schema, regex or grammar
 is a ``ValueError`` naming it when the request arrives, and so is one that accepts no output
-at all (``engine.grammar.language``, ``engine.grammar.schema``). ``Grammars`` (one per engine)
-compiles a request's grammar against the tokenizer on a worker thread, off the step loop, with a
-cache keyed by the grammar's text; the scheduler admits a request once its grammar is compiled.
-Each sequence then has its own ``GrammarState`` (an xgrammar matcher): before sampling, the
-matchers of the batch's constrained rows fill one
+at all (``engine.grammar.language``, ``engine.grammar.schema``). ``engine.grammar.compiler``
+compiles it against the tokenizer off the step loop, within a time bound, and holds each
+sequence's matcher: before sampling, the matchers of the batch's constrained rows fill one
 token bitmask and one call masks the logits (``engine.layers.sampler.mask_logits``); each
 appended token advances its matcher, and a matcher that reaches the grammar's end finishes its
 sequence ("stop"). A sequence that reaches ``max_tokens`` first ends with "length".
@@ -17,10 +15,7 @@ sequence ("stop"). A sequence that reaches ``max_tokens`` first ends with "lengt
 from __future__ import annotations
 
 import json
-import threading
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
@@ -30,12 +25,11 @@ from engine.grammar.schema import contradiction
 
 if TYPE_CHECKING:
     import xgrammar
-    from transformers import PreTrainedTokenizerBase
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 MAX_SPEC_CHARS = 1 << 20  # characters of a schema, regex or grammar
 MAX_CHOICES = 1024
-_CACHE_SIZE = 256  # parsed and compiled grammars kept (each, per engine)
+_CACHE_SIZE = 256  # parsed grammars kept
 
 
 @dataclass
@@ -143,71 +137,3 @@ def choice_ebnf(choices: Sequence[str]) -> str:
                           if ord(c) < 0x10000 else c for c in s)
         return f'"{escaped}"'
     return "root ::= " + " | ".join(literal(c) for c in choices)
-
-
-class GrammarState:
-    """One sequence's progress through its grammar (the matcher, once compiled)."""
-
-    def __init__(self, compiled: Future[xgrammar.CompiledGrammar]) -> None:
-        self.compiled = compiled
-        self._matcher: xgrammar.GrammarMatcher | None = None
-
-    @property
-    def matcher(self) -> xgrammar.GrammarMatcher:
-        if self._matcher is None:
-            import xgrammar as xgr
-
-            self._matcher = xgr.GrammarMatcher(self.compiled.result())
-        return self._matcher
-
-    def accept(self, token: int) -> None:
-        if not self.matcher.accept_token(token):
-            raise RuntimeError(f"token {token} does not continue the request's grammar")
-
-    @property
-    def terminated(self) -> bool:
-        return self._matcher is not None and self._matcher.is_terminated()
-
-
-class Grammars:
-    """Compiles grammars for one tokenizer on a worker thread, caching the results."""
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int,
-                 stop_token_ids: Iterable[int]) -> None:
-        self._tokenizer, self.vocab_size = tokenizer, vocab_size
-        self._stop_ids = sorted(stop_token_ids)
-        self._compiler: xgrammar.GrammarCompiler | None = None
-        self._pool: ThreadPoolExecutor | None = None
-        self._cache: OrderedDict[tuple[str, str], Future[xgrammar.CompiledGrammar]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def state(self, params: StructuredOutputsParams) -> GrammarState:
-        """A new sequence's state; its grammar compiles in the background (or is cached)."""
-        key = params.key()
-        with self._lock:
-            future = self._cache.get(key)
-            if future is None or (future.done() and future.exception() is not None):
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
-                future = self._pool.submit(self._compile, key)
-                self._cache[key] = future
-                while len(self._cache) > _CACHE_SIZE:
-                    self._cache.popitem(last=False)
-            self._cache.move_to_end(key)
-        return GrammarState(future)
-
-    def _compile(self, key: tuple[str, str]) -> xgrammar.CompiledGrammar:
-        import xgrammar as xgr
-
-        if self._compiler is None:  # building the vocabulary's tables takes a while: once
-            info = xgr.TokenizerInfo.from_huggingface(
-                self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_ids)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-        return self._compiler.compile_grammar(parse_grammar(*key))
-
-    @staticmethod
-    def wait_any(states: list[GrammarState], timeout: float) -> None:
-        """Block until one of ``states`` is compiled, at most ``timeout`` seconds."""
-        pending = [s.compiled for s in states if not s.compiled.done()]
-        if pending:
-            wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)

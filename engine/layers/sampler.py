@@ -17,12 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.grammar.compiler import GrammarState
 from engine.layers.logits_processors import RowTensors, SeenTokens
 from engine.layers.random_sample import sample
 from engine.outputs import Logprob, Logprobs
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.structured_output import GrammarState
 from kernels import ops
 
 PROMPT_ROWS_AT_ONCE = 512  # prompt positions scored together (their float32 log-softmax)

@@ -1,17 +1,20 @@
 """Specifications that accept no output are refused when they arrive (engine/grammar/): EBNF
 grammars and regexes built at random around parts that match nothing, each refused exactly when
 its language is empty (the same shapes with a way out are accepted); JSON schemas whose
-contradiction xgrammar misses or keeps in its grammar."""
+contradiction xgrammar misses or keeps in its grammar; and, with a tokenizer that cannot spell
+a grammar's first character, the compile's check."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import StructuredOutputsParams
+from engine.grammar.compiler import Grammars
 
 pytest.importorskip("xgrammar")
 
@@ -112,3 +115,23 @@ def test_unsatisfiable_schemas_are_refused_naming_why(schema, why):
                          ids=[str(i) for i in range(len(SATISFIABLE_TWINS))])
 def test_their_satisfiable_twins_are_accepted(schema):
     assert refused({"json": schema}) is None
+
+
+def test_a_grammar_no_token_can_start_fails_its_compile():
+    """A word-level tokenizer spells "a", "b", "ab": ``"c"`` is a language, but not one this
+    model can write; the first token's mask says so."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({"a": 0, "b": 1, "ab": 2, "</s>": 3}, unk_token="</s>"))
+    grammars = Grammars(PreTrainedTokenizerFast(tokenizer_object=words, eos_token="</s>"), 4,
+                        [3], timeout_s=30)
+    for spec in ['root ::= "c"', 'root ::= "c" | "c" "c"']:
+        params = StructuredOutputsParams(grammar=spec)
+        params.validate()  # not empty over characters
+        with pytest.raises(ValueError, match=re.escape(
+                "structured_outputs.grammar is unsatisfiable with this model's tokenizer: no "
+                "token can start an output it accepts")):
+            grammars.state(params).compiled.result(timeout=30)
+    for spec in ['root ::= "ab" | "c"', 'root ::= ""']:
+        assert grammars.state(StructuredOutputsParams(grammar=spec)).compiled.result(30)

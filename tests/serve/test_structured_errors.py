@@ -1,18 +1,31 @@
 """Structured-output specifications that cannot be served are 400s naming their field, never
 500s: without Ray, the Router's checks (``_handle``: parse, model, size, prepare) refuse a
-grammar, regex or schema that accepts nothing, in every field that carries one."""
+grammar, regex or schema that accepts nothing, in every field that carries one; and a Worker
+answers a grammar that overran ``grammar_compile_timeout_s`` with a 400 naming the field and
+the bound, which the Router's stream turns into OpenAI's error body."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 from transformers import AutoTokenizer
 
+from engine.async_engine import AsyncEngine
+from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutputsParams
+from serve_app.batcher import Batch, EngineRequest
+from serve_app.config import AppConfig
 from serve_app.errors import APIError
 from serve_app.prompts import PromptProcessor
+from serve_app.streams import ResponseStream
+from serve_app.worker import Worker
+from serve_app.worker_client import fan_out
 from tests.checkpoints import make_checkpoint
+from tests.engine.test_grammar_deadline import SLOW_GRAMMAR
 from tests.serve.test_fuzz_requests import BASE, _handle
+from tests.serve.test_worker_metrics import recorded  # noqa: F401  (Ray's metric classes, stubbed)
 
 pytest.importorskip("xgrammar")
 
@@ -69,3 +82,31 @@ def test_specifications_that_accept_nothing_are_400s_naming_the_field(
     assert (err.value.status, err.value.param, err.value.message) == (400, param, message)
     assert err.value.body() == {"error": {"message": message, "type": "invalid_request_error",
                                           "param": param, "code": None}}
+
+
+def test_a_grammar_past_the_compile_bound_is_a_400_from_the_worker(ckpt, recorded):  # noqa: F811
+    config = AppConfig(model=str(ckpt), dtype="float32", max_model_len=128, block_size=8,
+                       kv_cache_memory_bytes=4 << 20, num_threads=1, accelerator="cpu",
+                       grammar_compile_timeout_s=0.3)
+    params = SamplingParams(max_tokens=4, temperature=0.0, detokenize=False, output_kind="delta",
+                            structured_outputs=StructuredOutputsParams(grammar=SLOW_GRAMMAR))
+
+    async def main() -> APIError:
+        worker = Worker(config, engine_factory=lambda cfg: AsyncEngine(cfg.engine),
+                        replica_id="w1")
+        try:
+            routed = EngineRequest([0, 5, 9], params)
+            await asyncio.wait_for(fan_out(Batch([routed]), worker.generate_batch(
+                [routed.wire()])), 60)
+            with pytest.raises(APIError) as err:  # the Worker's ErrorPart, as the Router reads it
+                await anext(ResponseStream([routed], worker.engine.tokenizer, [], False, True,
+                                           None, lambda r, reason: None).deltas())
+            return err.value
+        finally:
+            worker.engine.shutdown()
+
+    error = asyncio.run(main())
+    message = ("structured_outputs.grammar took longer than 0.3 s to compile "
+               "(grammar_compile_timeout_s); simplify it")
+    assert (error.status, error.message) == (400, message)
+    assert error.body()["error"]["type"] == "invalid_request_error"
