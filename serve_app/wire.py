@@ -149,7 +149,7 @@ class WorkerStats(AsyncEngineStats):
 
     replica: str
     requests_total: int
-    aborted_total: int  # requests stopped here by an abort control call
+    aborted_total: int  # requests aborted here: a control call, or the Router closed their stream
     rss_bytes: int  # the replica process's resident memory
     batches_total: int
     batches_running: int

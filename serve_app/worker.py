@@ -89,7 +89,7 @@ class Worker:
         self._streams: dict[str, _Stream] = {}  # stream_key -> that Router's open stream
         self._received: dict[str, int] = {}  # stream_key -> requests received (routing stats)
         self.requests_total = 0
-        self.aborted_total = 0  # requests stopped here by an abort control call
+        self.aborted_total = 0  # requests aborted here: a control call, or their stream closed
         self.batches_total = 0
         self.batches_running = 0
         self.drain_timeout_s = config.worker_drain_timeout_s
@@ -153,6 +153,7 @@ class Worker:
                         put(wire.TokenPart(key, co.index, co.token_ids, co.finish_reason,
                                            co.logprobs))
         except asyncio.CancelledError:  # aborted (control call) or the batch call was cancelled
+            self.aborted_total += 1
             put(wire.DonePart(key, len(req.prompt_token_ids), cached))
             raise
         except ValueError as exc:
@@ -178,7 +179,6 @@ class Worker:
             task = self._pumps.pop(request_id, None)
             if task is not None:
                 found += 1
-                self.aborted_total += 1
                 task.cancel(reason)  # ends its generate() stream, which aborts it in the engine
             self.engine.abort(request_id)
         return found

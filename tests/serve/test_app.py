@@ -496,16 +496,24 @@ def _idle(workers) -> bool:
 
 
 def test_client_disconnect_frees_kv_blocks(url):
+    """A stream the client drops is aborted at its Worker: the request stops generating there
+    (it could run on to its max_tokens by itself: ignore_eos), the Worker counts the abort, and
+    its KV blocks are free again."""
     idle = _idle
     wait_until(lambda: idle(_stats(url)["workers"]), 30, "workers idle")
-    body = {"prompt": PROMPTS[0] * 8, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    before = _stats(url)["total"]
+    max_tokens = MAX_MODEL_LEN - 16  # the prompt is under 16 tokens
+    body = {"prompt": PROMPTS[0], "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=url, timeout=60) as client:
         with client.stream("POST", "/v1/completions", json=body) as resp:
             lines = resp.iter_lines()
             for _ in range(6):
                 next(lines)
             assert not idle(_stats(url)["workers"])  # it holds blocks while streaming
-    wait_until(lambda: idle(_stats(url)["workers"]), 20, "KV blocks freed after disconnect")
+    after = wait_until(lambda: idle((s := _stats(url))["workers"]) and s["total"], 20,
+                       "KV blocks freed after disconnect")
+    assert after["aborted_total"] == before["aborted_total"] + 1
+    assert after["generation_tokens_total"] - before["generation_tokens_total"] < max_tokens
 
 
 def test_prefix_affinity_follows_the_cached_prompt(url):
