@@ -135,7 +135,9 @@ def _judge_faults(faults: list[Fault], problems: dict[str, list[str]]) -> None:
 
 
 def _window(o: Outcome, faults: list[Fault], names: tuple[str, ...]) -> Fault | None:
-    for f in faults:
+    """The latest of ``names`` whose window ``o`` overlaps: a request that started while one
+    fault was recovering and failed once the next began is the next one's."""
+    for f in reversed(faults):
         if f.name in names and o.start < (f.end if f.end is not None else 1e18) \
                 and o.end > f.start:
             return f

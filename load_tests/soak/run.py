@@ -26,6 +26,9 @@ It prints one JSON line and a table, and exits nonzero when an invariant breaks:
 * ``worker_kill``/``router_kill``: requests in flight got a clear error or completed, Serve
   replaced the replica within ``RECOVERY_TIMEOUT_S`` (180 s) and requests succeed afterwards;
 * ``scale_down``: the Worker count went 2 -> 1 under load and no request failed meanwhile;
+* ``disconnect_aborts``: on idle Workers after the run, streams the client drops after their
+  first chunks (``ignore_eos``, so none would end by itself soon) are each aborted at their
+  Worker (``aborted_total``) and stop generating before their ``max_tokens``;
 * ``kv_free_queues_empty``: afterwards each Worker's free KV blocks equal its total, its
   waiting and running queues are empty, and so are the Router's;
 * ``memory_stable``: no replica's RSS grew by more than ``--memory-slack-mib`` (or 5%) from
@@ -57,6 +60,7 @@ if TYPE_CHECKING:
 MAX_DURATION_S = 3600.0
 MAX_CONCURRENCY = 64
 ALL_FAULTS = ("worker_kill", "router_kill", "scale_down")
+DISCONNECT_CHECKS = 4  # dropped streams on idle Workers after the run, each counted aborted
 
 
 def own_app_args(api_key_file: str | None, max_waiting: int, model: str | None) -> dict:
@@ -128,6 +132,8 @@ async def soak(args: argparse.Namespace, app: LocalApp | None = None) -> dict:
         await asyncio.gather(*tasks)
         workers = app.num_workers if app is not None else None
         after_main = await runner.settle(session, workers)
+        runner.phase = "disconnects"
+        dropped = await runner.disconnects_abort(session, DISCONNECT_CHECKS, workers)
         final = after_main
         for k in range(2 if args.memory_requests else 0):
             runner.phase = f"memory{k + 1}"
@@ -136,6 +142,8 @@ async def soak(args: argparse.Namespace, app: LocalApp | None = None) -> dict:
             final = await runner.settle(session, workers)
             memory.append(await read_memory(runner, session, app))
     report = summarize(runner, faults_log, after_main, final, memory, args)
+    report["invariants"]["disconnect_aborts"] = not dropped
+    report["violations"] += [f"disconnect_aborts: {p}" for p in dropped]
     if app is not None:
         report["retried_after_worker_death"] = app.retried_requests()
     if app is not None and args.api_key:

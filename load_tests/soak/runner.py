@@ -105,6 +105,26 @@ class Runner:
             await asyncio.sleep(0.5)
         return False, failed
 
+    async def disconnects_abort(self, session: aiohttp.ClientSession, count: int,
+                                num_workers: int | None) -> list[str]:
+        """On idle Workers, ``count`` streams dropped after their first chunks, each of which
+        could run on to its ``max_tokens`` (``ignore_eos``): each must be aborted at its Worker
+        (its abort counted, its generation cut short). What broke (empty: nothing)."""
+        before = (await self.settle(session, num_workers)).get("total")
+        specs = [self.mix.valid("disconnect") for _ in range(count)]  # ignore_eos, as all
+        await asyncio.gather(*(self.send(session, spec) for spec in specs))
+        after = (await self.settle(session, num_workers)).get("total")
+        if not before or not after:
+            return [f"no Worker totals in /v1/stats: {before} / {after}"]
+        problems = []
+        aborted = after["aborted_total"] - before["aborted_total"]
+        if aborted < count:
+            problems.append(f"{count} dropped streams, {aborted} aborts at the Workers")
+        generated = after["generation_tokens_total"] - before["generation_tokens_total"]
+        if generated >= sum(spec.max_tokens for spec in specs):
+            problems.append(f"dropped streams ran to their end ({generated} tokens generated)")
+        return problems
+
     async def stats(self, session: aiohttp.ClientSession) -> dict:
         async with session.get(self.url + "/v1/stats", headers=self.mix.headers(),
                                timeout=aiohttp.ClientTimeout(total=30)) as resp:

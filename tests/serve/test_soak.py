@@ -1,7 +1,8 @@
 """A short soak (``python -m load_tests.soak``) on one local Ray cluster: about a minute of mixed
-traffic at concurrency 4 with every kind of bad request, bursts over the admission bound and one
-Worker replica killed mid-run, then two fault-free passes for the memory check. Every
-invariant the soak checks must hold.
+traffic at concurrency 4 with every kind of bad request, bursts over the admission bound, one
+Worker replica and then one Router replica killed mid-run, dropped streams that must be aborted
+at their Workers, then two fault-free passes for the memory check. Every invariant the soak
+checks must hold.
 
 The checker itself is tested first, on made-up answers: it must catch each broken promise.
 """
@@ -16,15 +17,15 @@ import pytest
 
 from load_tests.soak import run as soak
 from load_tests.soak.mix import Mix
-from load_tests.soak.report import table
-from load_tests.soak.spec import Limits, References
+from load_tests.soak.report import Fault, Outcome, _judge_outcome, table
+from load_tests.soak.spec import Limits, References, Verdict
 from load_tests.soak.verify import verify
 
 pytestmark = pytest.mark.timeout(600)
 
 INVARIANTS = {"no_hung", "belongs", "errors_openai_shape", "bad_input_4xx", "overload_429",
-              "no_unexpected_failures", "worker_kill", "kv_free_queues_empty", "memory_stable",
-              "api_key_not_logged"}
+              "no_unexpected_failures", "worker_kill", "router_kill", "disconnect_aborts",
+              "kv_free_queues_empty", "memory_stable", "api_key_not_logged"}
 
 
 # ---- the checker catches broken promises -------------------------------------------------------
@@ -91,12 +92,37 @@ def test_checker_reads_streams():
                                                                          "stream_error", True)
 
 
+def test_a_failure_belongs_to_the_fault_it_failed_in():
+    """Faults come back to back (the next starts once the last has recovered): a request that
+    started while a Worker kill recovered and was cut by the Router kill that followed is the
+    Router kill's, whose requests may end however the proxy ends them; cut in the Worker
+    kill's window alone, it breaks the Worker kill's promise of an OpenAI-shaped error."""
+    mix = Mix(Limits(model="m", max_model_len=256))
+    worker, router = Fault("worker_kill", 10.0, 30.0), Fault("router_kill", 30.0, 45.0)
+    cut = Verdict("failed", [], error_shaped=False, detail="transport:ServerDisconnectedError")
+
+    def problems(start: float, end: float) -> dict[str, list[str]]:
+        found: dict[str, list[str]] = {"worker_kill": [], "router_kill": [],
+                                       "no_unexpected_failures": []}
+        _judge_outcome(Outcome(mix.valid("completion"), 0, cut, start, end), [worker, router],
+                       found)
+        return {k: v for k, v in found.items() if v}
+
+    assert problems(28.0, 31.0) == {}
+    assert router.detail["in_flight_errors"] == {
+        "transport:ServerDisconnectedError (not OpenAI-shaped)": 1}
+    assert problems(20.0, 25.0) == {
+        "worker_kill": ["completion: unclear error transport:ServerDisconnectedError"]}
+    assert list(problems(50.0, 51.0)) == ["no_unexpected_failures"]
+
+
 # ---- the soak ------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def args():
-    return soak.parse_args(["--duration", "50", "--concurrency", "4", "--faults", "worker_kill",
-                            "--memory-requests", "40", "--burst-every", "12"])
+    return soak.parse_args(["--duration", "50", "--concurrency", "4",
+                            "--faults", "worker_kill,router_kill", "--memory-requests", "40",
+                            "--burst-every", "12"])
 
 
 @pytest.fixture(scope="module")
@@ -133,8 +159,8 @@ def test_the_run_covered_the_mix_and_the_fault(soaked):
             "disconnect", "burst", "bad", "edge"} <= set(soaked["kinds"])
     assert soaked["bad_cases_sent"] == soaked["bad_cases_defined"]
     assert {"400", "401", "404", "405", "413", "429"} <= set(soaked["rejected"])
-    (kill,) = soaked["faults"]
-    assert kill["name"] == "worker_kill" and kill["recovery_s"] is not None
+    assert [f["name"] for f in soaked["faults"]] == ["worker_kill", "router_kill"]
+    assert all(f["recovery_s"] is not None for f in soaked["faults"])
     assert len(soaked["kv"]) == 2 and all(w["free_blocks"] == w["total_blocks"]
                                           for w in soaked["kv"])
     assert len(soaked["rss_mib"]) == 2
