@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PRODUCT = ("engine", "kernels", "serve_app", "deploy")
 MAX_FILE_LINES = 300
 MAX_FUNCTION_LINES = 50
-MAX_ENGINE_CORE_CODE_LINES = 2600
+MAX_ENGINE_CORE_CODE_LINES = 3000
 FORBIDDEN_IMPORTS = {"kernels": ("engine", "serve_app"), "engine": ("serve_app", "ray")}
 
 
@@ -82,7 +82,8 @@ def test_layers_import_downwards_only(layer: str):
 
 
 def test_engine_core_size():
-    core = [p for p in _files("engine") if p.parent == ROOT / "engine"]
+    core = [p for p in _files("engine")
+            if p.relative_to(ROOT / "engine").parts[0] not in ("models", "layers")]
     total = sum(code_lines(p.read_text()) for p in core)
     assert total <= MAX_ENGINE_CORE_CODE_LINES, f"engine core: {total} lines of code"
 
