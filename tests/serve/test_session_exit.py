@@ -6,6 +6,7 @@ leaving the process with ``os._exit``."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -48,7 +49,9 @@ print(f"pytest.main returned {int(status)}", flush=True)
 def test_pytest_main_returns_after_a_session_that_used_ray(tmp_path):
     test_file = tmp_path / "test_uses_ray.py"
     test_file.write_text(A_RAY_TEST)
-    out = subprocess.run([sys.executable, "-c", CALLER, str(test_file)], cwd=ROOT,
+    # a fresh shell's environment: earlier tests in this process set Ray Serve's switches
+    plain = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    out = subprocess.run([sys.executable, "-c", CALLER, str(test_file)], cwd=ROOT, env=plain,
                          capture_output=True, text=True, timeout=280)
     tail = (out.stdout + out.stderr)[-3000:]
     assert "1 passed" in out.stdout, tail
