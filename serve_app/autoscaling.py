@@ -53,6 +53,11 @@ logger = logging.getLogger("ray.serve")
 # Metric names reported by Worker.record_autoscaling_stats().
 WAITING, RUNNING, KV_USAGE, SLOT_USAGE, TOKENS_PER_S = (
     "num_waiting", "num_running", "kv_cache_usage", "seq_slot_usage", "output_tokens_per_s")
+FINISHED_PER_S = "finished_per_s"  # requests finished per second on the replica
+# The Routers' demand, forwarded by every Worker (each reports the same sums over the Routers'
+# fresh reports, so the policy takes the largest report, not the sum over replicas).
+DEMAND_ARRIVALS, DEMAND_PROMPT_TPS, DEMAND_WAITING = (
+    "demand_arrivals_per_s", "demand_prompt_tokens_per_s", "demand_router_waiting")
 STATE_KEY = "queue_depth_policy"  # our entry in Serve's policy_state
 
 
