@@ -2,42 +2,52 @@
 
 Serve's default policy counts ongoing handle calls, but one call to a Worker carries a whole
 batch and a replica with a full KV cache looks no busier than an idle one. This policy reads what
-each Worker reports in ``record_autoscaling_stats()`` instead.
+the Workers report in ``record_autoscaling_stats()`` instead, and the Routers' demand, which the
+Workers forward: demand shows at a Router before any engine feels it.
 
 Serve builds the class once per deployment, ``QueueDepthPolicy(**policy_kwargs)``, and calls it
 on every control-loop tick with an ``AutoscalingContext``; it returns ``(replicas, state)``.
 Serve wraps the call: it starts the first replica itself when calls queue for a deployment at
-zero, and it applies the scaling factors, ``upscale_delay_s`` / ``downscale_delay_s`` /
-``downscale_to_zero_delay_s`` and ``min_replicas`` / ``max_replicas`` to the answer.
+zero, and it applies ``upscale_delay_s`` / ``downscale_delay_s`` / ``downscale_to_zero_delay_s``
+and ``min_replicas`` / ``max_replicas`` to the answer.
 
-Inputs, summed over the running replicas, each read twice: as the replicas' latest reports
-(``ctx.raw_metrics``) and averaged over ``look_back_period_s`` (``ctx.aggregated_metrics``):
+Signals (``Load``), over the running replicas, read three ways: each replica's latest report, the
+reports of the short *panic window* (``panic_window_s``) and Serve's average over
+``look_back_period_s`` (the stable window):
 
-* ``queue`` = requests waiting in the replicas' schedulers + batch calls queued at the Routers'
-  handles (``ctx.total_queued_requests``, non-zero when every replica is busy or none runs);
-* ``running`` = requests being generated; ``batch`` = ``running`` per running replica;
-* ``usage`` = the sum over replicas of how full each is: the larger of its KV-cache usage and
-  its sequence-slot usage (running / ``max_num_seqs``), in units of one replica.
+* ``queue``: requests waiting in the Workers' schedulers, plus batch calls queued at the Routers'
+  handles, plus requests the Routers hold that no Worker has yet;
+* ``running``; ``usage``: per replica the larger of its KV-cache use and its sequence-slot use,
+  summed (units of one full replica); ``finished``: requests finished per second;
+* ``arrivals``: requests per second accepted by the Routers (the leading signal).
 
-The rule, with ``t`` the current target, ``q = target_queue_per_replica``, ``u = max_kv_usage``
-and ``d = downscale_threshold``:
+Capacity (``Capacity``): requests per second one replica finishes per unit of usage, learnt from
+``finished / usage``; the estimate kept is the one taken at the highest per-replica usage seen in
+the last ``CAPACITY_MEMORY_S`` (a lightly loaded replica finishes requests faster than a full
+one, so the fullest observation is the safest). ``mu = capacity * max_kv_usage`` is what a
+replica serves at the usage bound. Until a first observation only the queue rules apply.
 
-* **up** to ``max(ceil((running + queue) / (batch + q)), ceil(usage / u))`` from the latest
-  reports, when that is above ``t``: the replicas needed so that, each running a batch like
-  today's, at most ``q`` requests wait per replica (0 when nothing waits), and so that no
-  replica is fuller than ``u``. Reading the latest reports lets a burst show at once rather than
-  diluted in the window's average;
-* **down** to ``max(ceil((running + queue) / (batch + d * q)), ceil(usage / (d * u)), 1)``, the
-  larger from the latest reports and from the window, when that is below ``t``: fewer replicas
-  would still keep the queue and their fullness well under the bounds;
-* **zero** when ``min_replicas`` is 0 and nothing waited, ran or queued, now or in the window;
-* **hold** at ``t`` otherwise, and while replicas are starting (fewer run than ``t``: the
-  missing reports say nothing about idleness or surplus).
+The rule, with ``q = target_queue_per_replica``, ``u = max_kv_usage``, ``d =
+downscale_threshold``, ``S = replica_start_s``, ``n`` replicas running:
 
-Time hysteresis is Serve's: its delay logic scales only after the same direction has been
-answered without a break for the delay, and a *hold* resets it. So replicas go down only after
-the queue has been short and the cache not full for ``downscale_delay_s``, and the last one goes
-only after ``downscale_to_zero_delay_s`` (the policy file's ``idle_timeout_s``) of idleness.
+* **up**, from the latest reports and the panic window, to the largest of: the queue rule
+  ``ceil((running + queue) / (batch + q))``; the usage rule ``ceil(usage / u)``; the rate rule
+  ``ceil(arrivals / mu)``; and the backlog rule ``ceil((arrivals + backlog / S) / capacity)``
+  where ``backlog = queue + max(0, arrivals - n * capacity) * S`` is what will wait when the new
+  replicas are up, to be cleared within one more start time. One step, not 1 -> 2 -> 4;
+* **burst**: while the panic window's arrivals are ``panic_threshold`` times the stable
+  window's, or the answer is *up*, and for one stable window after, nothing scales down;
+* **down**, outside a burst, to the largest of the queue and usage rules at ``d`` times their
+  bounds, from the latest reports and the window, and ``ceil(arrivals / (d * mu))`` from the
+  window: the rest hold the load with headroom. Serve's ``downscale_delay_s`` then asks for an
+  unbroken spell of such answers;
+* **floor** (``predictive_floor: trend``): the arrival rate's linear trend over
+  ``trend_window_s`` extrapolated ``S`` ahead, in replicas (``ceil(rate / mu)``);
+* **zero** when ``min_replicas`` is 0 and nothing arrived, waited or ran, now or in the window;
+* **hold** otherwise, and no scale-down while replicas start (their reports are missing).
+
+The answer adds ``standby_replicas`` warm replicas to what the load needs: started and loaded,
+the Router sends them nothing until every active replica is full (``WorkerRequestRouter``).
 
 This module is pickled by value into Serve's controller: it imports nothing from ``serve_app``.
 """
@@ -46,6 +56,8 @@ from __future__ import annotations
 
 import logging
 import math
+import time
+from collections import deque
 from typing import Any
 
 logger = logging.getLogger("ray.serve")
@@ -59,27 +71,47 @@ FINISHED_PER_S = "finished_per_s"  # requests finished per second on the replica
 DEMAND_ARRIVALS, DEMAND_PROMPT_TPS, DEMAND_WAITING = (
     "demand_arrivals_per_s", "demand_prompt_tokens_per_s", "demand_router_waiting")
 STATE_KEY = "queue_depth_policy"  # our entry in Serve's policy_state
+CAPACITY_MEMORY_S = 600.0  # how long a capacity observation is kept
+MIN_OBSERVED_USAGE = 0.05  # per replica: below it finished/usage is noise
+BURST_FLOOR_PER_S = 0.5  # panic-window arrivals below this never make a burst
 
 
 class QueueDepthPolicy:
-    """Replica count from queue depth and KV-cache usage (see the module docstring)."""
+    """Replica count from the Routers' demand, queue depth and KV-cache usage (module doc)."""
 
     def __init__(self, target_queue_per_replica: float = 4.0, max_kv_usage: float = 0.9,
-                 downscale_threshold: float = 0.5, **_: Any) -> None:
+                 downscale_threshold: float = 0.5, replica_start_s: float = 30.0,
+                 panic_window_s: float = 6.0, panic_threshold: float = 2.0,
+                 standby_replicas: int = 0, predictive_floor: str = "none",
+                 trend_window_s: float = 120.0, **_: Any) -> None:
         _check(target_queue_per_replica > 0, "target_queue_per_replica", "must be > 0",
                target_queue_per_replica)
         _check(0 < max_kv_usage <= 1, "max_kv_usage", "must be in (0, 1]", max_kv_usage)
         _check(0 < downscale_threshold < 1, "downscale_threshold", "must be in (0, 1)",
                downscale_threshold)
+        _check(replica_start_s >= 0, "replica_start_s", "must be >= 0", replica_start_s)
+        _check(panic_window_s > 0, "panic_window_s", "must be > 0", panic_window_s)
+        _check(panic_threshold > 1, "panic_threshold", "must be > 1", panic_threshold)
+        _check(standby_replicas >= 0, "standby_replicas", "must be >= 0", standby_replicas)
+        _check(predictive_floor in ("none", "trend"), "predictive_floor",
+               "must be 'none' or 'trend'", predictive_floor)
         self.target_queue = float(target_queue_per_replica)
         self.max_kv = float(max_kv_usage)
         self.threshold = float(downscale_threshold)
+        self.start_s, self.panic_s = float(replica_start_s), float(panic_window_s)
+        self.panic_threshold, self.standby = float(panic_threshold), int(standby_replicas)
+        self.capacity = Capacity()
+        self.trend = Trend(trend_window_s) if predictive_floor == "trend" else None
+        self._burst_until = -math.inf
         self._last_decision: tuple[str, int] = ("", -1)
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
-        window, load = Load.from_context(ctx), Load.from_context(ctx, latest=True)
+        now = ctx.current_time or time.time()
+        window, load = Load.from_context(ctx), Load.from_context(ctx, since=math.inf)
+        short = Load.from_context(ctx, since=now - self.panic_s)
         current = ctx.target_num_replicas
-        decision, replicas = self.decide(load, window, current, ctx.capacity_adjusted_min_replicas)
+        decision, replicas = self.decide(load, short, window, current,
+                                         ctx.capacity_adjusted_min_replicas, now)
         replicas = min(max(replicas, ctx.capacity_adjusted_min_replicas),
                        ctx.capacity_adjusted_max_replicas)
         if replicas == current:
@@ -89,47 +121,137 @@ class QueueDepthPolicy:
             logger.info("QueueDepthPolicy: %s %d -> %d (%s)", decision, current, replicas, load)
         state = dict(ctx.policy_state or {})
         state[STATE_KEY] = {"decision": decision, "desired": replicas, **load.as_dict(),
-                            "window": window.as_dict()}
+                            "capacity": round(self.capacity.per_usage or 0.0, 3),
+                            "burst": now < self._burst_until, "window": window.as_dict()}
         return replicas, state
 
-    def decide(self, load: Load, window: Load, current: int,
-               min_replicas: int) -> tuple[str, int]:
+    def decide(self, load: Load, short: Load, window: Load, current: int, min_replicas: int,
+               now: float | None = None) -> tuple[str, int]:
         """``(decision, replicas)`` before bounds: 'up', 'down', 'zero' or 'hold'.
 
-        ``load`` is the replicas' latest reports, ``window`` their look-back averages: up reacts
-        to the latest (Serve's upscale delay filters noise); down and zero need both quiet.
+        ``load`` is the replicas' latest reports, ``short`` the panic window's, ``window``
+        Serve's look-back averages. The count includes the standby replicas.
         """
-        up = max(load.replicas_for_queue(self.target_queue), _ceil(load.usage / self.max_kv))
-        if up > current:
-            return "up", up
+        now = time.time() if now is None else now
+        self.capacity.observe(window, now)
+        arrivals = max(load.arrivals, short.arrivals)
+        if self.trend is not None:
+            self.trend.add(now, window.arrivals)
+        need = max(self._needed_now(load, arrivals), self._needed_now(short, arrivals),
+                   self._floor())
+        bursting = short.arrivals >= max(self.panic_threshold * window.arrivals,
+                                         BURST_FLOOR_PER_S)
+        if need + self.standby > current:
+            self._burst_until = now + window.look_back_s
+            return "up", need + self.standby
+        if bursting:
+            self._burst_until = now + window.look_back_s
         if window.replicas < current:
             return "hold", current  # replicas still starting: no reports from them yet
-        if min_replicas == 0 and load.idle() and window.idle():
+        if min_replicas == 0 and load.idle() and window.idle() and short.idle():
             return ("zero", 0) if current > 0 else ("hold", 0)
-        down = max(self._needed_below_band(load), self._needed_below_band(window), 1)
-        if down < current:
-            return "down", down
+        if now < self._burst_until:
+            return "hold", current
+        down = max(self._needed_below_band(load), self._needed_below_band(window),
+                   self._replicas_for_rate(window.arrivals, self.threshold), self._floor(), 1)
+        if down + self.standby < current:
+            return "down", down + self.standby
         return "hold", current
+
+    def _needed_now(self, load: Load, arrivals: float) -> int:
+        """Replicas the load needs now and once the replicas it starts are up."""
+        need = max(load.replicas_for_queue(self.target_queue), _ceil(load.usage / self.max_kv),
+                   self._replicas_for_rate(arrivals, 1.0))
+        full = self.capacity.per_usage
+        if full and arrivals > 0:  # the backlog that builds while new replicas start
+            growth = max(0.0, arrivals - load.replicas * full)
+            backlog = load.queue + growth * self.start_s
+            need = max(need, _ceil((arrivals + backlog / max(self.start_s, 1.0)) / full))
+        return need
 
     def _needed_below_band(self, load: Load) -> int:
         return max(load.replicas_for_queue(self.threshold * self.target_queue),
                    _ceil(load.usage / (self.threshold * self.max_kv)))
 
+    def _replicas_for_rate(self, arrivals: float, fraction: float) -> int:
+        """Replicas serving ``arrivals`` requests/s, each at ``fraction`` of the usage bound."""
+        full = self.capacity.per_usage
+        return _ceil(arrivals / (full * self.max_kv * fraction)) if full and arrivals > 0 else 0
+
+    def _floor(self) -> int:
+        if self.trend is None:
+            return 0
+        return self._replicas_for_rate(self.trend.predict(self.start_s), 1.0)
+
+
+class Capacity:
+    """Requests/s one replica finishes per unit of usage (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._seen: deque[tuple[float, float, float]] = deque()  # (time, usage/replica, rate)
+
+    def observe(self, window: Load, now: float) -> None:
+        while self._seen and self._seen[0][0] < now - CAPACITY_MEMORY_S:
+            self._seen.popleft()
+        if window.replicas and window.finished > 0:
+            per_replica = window.usage / window.replicas
+            if per_replica >= MIN_OBSERVED_USAGE:
+                self._seen.append((now, per_replica, window.finished / window.usage))
+
+    @property
+    def per_usage(self) -> float | None:
+        if not self._seen:
+            return None
+        return max(self._seen, key=lambda s: (s[1], s[0]))[2]  # at the highest usage, latest
+
+
+class Trend:
+    """The arrival rate's least-squares line over a trailing window, one point a second."""
+
+    def __init__(self, window_s: float) -> None:
+        _check(window_s > 0, "trend_window_s", "must be > 0", window_s)
+        self.window_s = float(window_s)
+        self._points: deque[tuple[float, float]] = deque()
+
+    def add(self, now: float, rate: float) -> None:
+        if self._points and now - self._points[-1][0] < 1.0:
+            return
+        self._points.append((now, rate))
+        while self._points[0][0] < now - self.window_s:
+            self._points.popleft()
+
+    def predict(self, ahead_s: float) -> float:
+        """The rate ``ahead_s`` after the last point: never below it (a floor only rises)."""
+        if len(self._points) < 3:
+            return 0.0
+        n = len(self._points)
+        mt = sum(t for t, _ in self._points) / n
+        mr = sum(r for _, r in self._points) / n
+        var = sum((t - mt) ** 2 for t, _ in self._points)
+        slope = sum((t - mt) * (r - mr) for t, r in self._points) / var if var else 0.0
+        t_last, r_last = self._points[-1]
+        return max(r_last, mr + slope * (t_last + ahead_s - mt))
+
 
 class Load:
-    """A deployment's load summed over its running replicas: their look-back averages, or
-    (``latest``) each one's last report."""
+    """A deployment's load over its running replicas: the look-back averages, or each
+    replica's reports since a time (``since=inf``: its last report only)."""
 
-    __slots__ = ("queue", "running", "usage", "tokens_per_s", "replicas")
+    __slots__ = ("queue", "running", "usage", "tokens_per_s", "finished", "arrivals",
+                 "prompt_tokens_per_s", "replicas", "look_back_s")
 
     def __init__(self, queue: float = 0.0, running: float = 0.0, usage: float = 0.0,
-                 tokens_per_s: float = 0.0, replicas: int = 0) -> None:
+                 tokens_per_s: float = 0.0, finished: float = 0.0, arrivals: float = 0.0,
+                 prompt_tokens_per_s: float = 0.0, replicas: int = 0,
+                 look_back_s: float = 30.0) -> None:
         self.queue, self.running, self.usage = queue, running, usage
-        self.tokens_per_s, self.replicas = tokens_per_s, replicas
+        self.tokens_per_s, self.finished, self.arrivals = tokens_per_s, finished, arrivals
+        self.prompt_tokens_per_s, self.replicas = prompt_tokens_per_s, replicas
+        self.look_back_s = look_back_s
 
     @classmethod
-    def from_context(cls, ctx: Any, latest: bool = False) -> Load:
-        metrics = (_last_values(ctx.raw_metrics) if latest else None) or \
+    def from_context(cls, ctx: Any, since: float | None = None) -> Load:
+        metrics = (_recent_means(ctx.raw_metrics, since) if since is not None else None) or \
             ctx.aggregated_metrics or {}
         running_ids = set(ctx.running_replicas or ())
 
@@ -139,15 +261,22 @@ class Load:
         def total(name: str) -> float:
             return float(sum(per_replica(name).values()))
 
+        def largest(name: str) -> float:  # the same forwarded sums on every replica
+            return float(max(per_replica(name).values(), default=0.0))
+
         kv, slots = per_replica(KV_USAGE), per_replica(SLOT_USAGE)
         usage = sum(max(v, slots.get(rid, 0.0)) for rid, v in kv.items())
-        queued_at_handles = float(ctx.total_queued_requests or 0.0)
-        return cls(queue=total(WAITING) + queued_at_handles, running=total(RUNNING),
-                   usage=usage, tokens_per_s=total(TOKENS_PER_S),
-                   replicas=ctx.current_num_replicas)
+        queued = float(ctx.total_queued_requests or 0.0) + largest(DEMAND_WAITING)
+        config = getattr(ctx, "config", None)
+        return cls(queue=total(WAITING) + queued, running=total(RUNNING), usage=usage,
+                   tokens_per_s=total(TOKENS_PER_S), finished=total(FINISHED_PER_S),
+                   arrivals=largest(DEMAND_ARRIVALS),
+                   prompt_tokens_per_s=largest(DEMAND_PROMPT_TPS),
+                   replicas=ctx.current_num_replicas,
+                   look_back_s=float(getattr(config, "look_back_period_s", 30.0) or 30.0))
 
     def idle(self) -> bool:
-        return self.queue <= 0 and self.running <= 0
+        return self.queue <= 0 and self.running <= 0 and self.arrivals <= 0
 
     def replicas_for_queue(self, queue_per_replica: float) -> int:
         """Fewest replicas leaving at most ``queue_per_replica`` waiting on each, when each runs
@@ -162,13 +291,22 @@ class Load:
 
     def __repr__(self) -> str:
         return (f"queue={self.queue:.1f} running={self.running:.1f} usage={self.usage:.2f} "
-                f"tokens/s={self.tokens_per_s:.0f} on {self.replicas} replicas")
+                f"arrivals={self.arrivals:.2f}/s finished={self.finished:.2f}/s "
+                f"on {self.replicas} replicas")
 
 
-def _last_values(raw: dict[str, dict[Any, Any]] | None) -> dict[str, dict[Any, float]]:
-    """Each replica's last reported value per metric, from ``ctx.raw_metrics`` time series."""
-    return {name: {rid: series[-1].value for rid, series in per_replica.items() if series}
-            for name, per_replica in (raw or {}).items()}
+def _recent_means(raw: dict[str, dict[Any, Any]] | None, since: float,
+                  ) -> dict[str, dict[Any, float]]:
+    """Per metric and replica, the mean of the reports at or after ``since`` (the last report
+    alone when none is that recent, or when ``since`` is infinite)."""
+    out: dict[str, dict[Any, float]] = {}
+    for name, per_replica in (raw or {}).items():
+        out[name] = {}
+        for rid, series in per_replica.items():
+            if series:
+                recent = [p.value for p in series if p.timestamp >= since] or [series[-1].value]
+                out[name][rid] = sum(recent) / len(recent)
+    return out
 
 
 def _ceil(x: float) -> int:

