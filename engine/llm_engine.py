@@ -35,7 +35,7 @@ from engine.outputs import Logprobs, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.stats import EngineStats
+from engine.stats import EngineStats, StartClock
 from engine.step_executor import StepExecutor, TensorParallelError
 from engine.tokenizer import PromptType, check_vocab, encode_prompt, eos_token_ids, load_tokenizer
 from engine.tp_ranks import check_tp_start, start_ranks, stop_ranks
@@ -51,6 +51,7 @@ class LLMEngine:
                  rank_launcher: RankLauncher | None = None, **kwargs: object) -> None:
         """``rank_launcher`` starts ranks 1..N-1 when ``tensor_parallel_size`` N > 1 (default:
         spawned local processes, one device each)."""
+        clock = StartClock()  # the start's phases (start_phases): the Worker reports them
         self.config = config = config or EngineConfig.from_kwargs(**kwargs)
         model_path, self.model_name = locate_model(config.model)  # its folder, and its name
         self.hf = HFConfig.load(model_path)
@@ -76,12 +77,11 @@ class LLMEngine:
             atexit.register(_shutdown_at_exit, weakref.ref(self))
         try:
             self.runner = ModelRunner(config, self.hf, model_path, self.device, dtype,
-                                      self.max_model_len, progress)
+                                      self.max_model_len, progress, clock)
         except BaseException:
             self.shutdown(send_exit=False)
             raise
-        # what the cache holds, as the Worker reports it: "fp8_e4m3" or the dtype's name
-        cache_dtype = self.runner.kv.dtype
+        cache_dtype = self.runner.kv.dtype  # reported as "fp8_e4m3" or the dtype's name
         self.kv_cache_dtype = ("fp8_e4m3" if cache_dtype == torch.float8_e4m3fn
                                else str(cache_dtype).removeprefix("torch."))
         self.executor = StepExecutor(self.runner)
@@ -93,8 +93,8 @@ class LLMEngine:
         so = config.structured_output
         self.grammars = Grammars(self.tokenizer, self.hf.vocab_size, self.eos_token_ids,
                                  so.grammar_compile_timeout_s, so.grammar_compile_threads)
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
+        self.prompt_tokens_total = self.generation_tokens_total = 0
+        self.start_phases = clock.phases  # seconds per phase of this engine's start
         self.num_steps = self.num_batched_tokens_total = 0  # (tokens: prefill chunks + decode)
         self.errors: list[tuple[str, Exception]] = []
 

@@ -35,6 +35,7 @@ from engine.models.hf_config import HFConfig
 from engine.models.registry import CausalLM, model_class
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
+from engine.stats import StartClock
 from kernels import cpu_gemm
 
 if TYPE_CHECKING:
@@ -44,7 +45,11 @@ if TYPE_CHECKING:
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf: HFConfig, model_path: str,
                  device: torch.device, dtype: torch.dtype, max_model_len: int,
-                 progress: bool = True):
+                 progress: bool = True, clock: StartClock | None = None):
+        """``clock`` gets the start's phases: engine_setup, model_init, weight_load, pack,
+        warm_up, kv_alloc (the profiling forward on CUDA and the zeroed cache), cuda_graphs."""
+        self.clock = clock = clock or StartClock()
+        clock.mark("engine_setup")  # (the LLMEngine's: config, tokenizer, tensor-parallel ranks)
         self.config, self.hf, self.device, self.dtype = config, hf, device, dtype
         hf.max_model_len = max_model_len  # the model's rotary embedding may read it
         configure_kernels(config.device)
@@ -62,7 +67,9 @@ class ModelRunner:
                                  self._profile_graph_pool if self._use_graphs() else None)
         self.num_blocks = self.kv.allocate(budget, max_model_len)
         self.sampler = Sampler(config.model.seed, device) if tp_rank() == 0 else None
+        clock.mark("kv_alloc")
         self.graphs = self._capture_graphs() if self._use_graphs() else None
+        clock.mark("cuda_graphs")
 
     # ----------------------------------------------------------------- start-up
     def _build_model(self, model_path: str, progress: bool) -> CausalLM:
@@ -73,6 +80,7 @@ class ModelRunner:
                 model = model_class(self.hf.architecture)(self.hf)
         finally:
             torch.set_default_dtype(default_dtype)
+        self.clock.mark("model_init")
         checkpoint_quant = self.hf.quantization
         if checkpoint_quant is not None:
             expect_quantized_linears(model, checkpoint_quant.weight_type,
@@ -80,6 +88,7 @@ class ModelRunner:
             if checkpoint_quant.kv_scales:
                 expect_kv_scales(model)
         load_weights(model, model_path, progress=progress)
+        self.clock.mark("weight_load")
         if checkpoint_quant is not None:
             finish_quantized_linears(model)
             if checkpoint_quant.kv_scales:
@@ -87,7 +96,9 @@ class ModelRunner:
         if self.config.model.quantization is not None:
             model.quantize_weights(self.config.model.quantization)
         model.pack_weights()
+        self.clock.mark("pack")
         self._warm_up_packed(model)
+        self.clock.mark("warm_up")
         return model.eval()
 
     def _warm_up_packed(self, model: CausalLM) -> None:

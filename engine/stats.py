@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import TypedDict
 
 
@@ -22,3 +23,18 @@ class EngineStats(TypedDict):
 
 class AsyncEngineStats(EngineStats):
     output_tokens_per_s: float  # over the last 10 s of the AsyncEngine's step loop
+
+
+class StartClock:
+    """Seconds an engine's start spent in each named phase (``phases``, in order of first
+    mark), for the Worker's start-time breakdown."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        """The time since the previous mark (or the clock's start) went to ``phase``."""
+        now = time.perf_counter()
+        self.phases[phase] = round(self.phases.get(phase, 0.0) + now - self._last, 4)
+        self._last = now
