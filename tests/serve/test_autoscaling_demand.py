@@ -76,19 +76,18 @@ def test_a_burst_is_sized_in_one_step_for_the_backlog_of_a_start():
 def test_nothing_scales_down_during_a_burst_and_one_window_after():
     policy = new_policy()
     learn(policy)
-    calm = load(3, arrivals=1.5, usage=0.9, finished=4.5, running=54)
-    spike = load(3, arrivals=4.0, usage=0.9, finished=4.5, running=54)
+    calm = load(3, arrivals=1.5, usage=0.3, finished=1.5, running=18)
+    spike = load(3, arrivals=4.0, usage=0.3, finished=1.5, running=18)
     # the panic window's 4/s is over 2x the stable window's 1.5/s: hold, not down
     assert policy.decide(calm, spike, calm, 3, 1, 10.0) == ("hold", 3)
     assert policy.decide(calm, calm, calm, 3, 1, 10.0 + LOOK_BACK - 1) == ("hold", 3)
-    # one stable window after the last burst signal, with the usage back at 0.3: down to
-    # ceil(1.5 / (5 * 0.8 * 0.5)) = 1 for the rate and ceil(0.3 / 0.4) = 1 for the usage
-    emptied = load(3, arrivals=1.5, usage=0.3, finished=1.5, running=18)
-    assert policy.decide(emptied, emptied, emptied, 3, 1, 10.0 + LOOK_BACK + 1) == ("down", 1)
-    # the same answer a policy that never saw the spike gives at once
+    # one stable window after the last burst signal: down to ceil(1.5 / (5 * 0.8 * 0.5)) = 1
+    # for the rate and ceil(0.3 / 0.4) = 1 for the usage
+    assert policy.decide(calm, calm, calm, 3, 1, 10.0 + LOOK_BACK + 1) == ("down", 1)
+    # the answer a policy that never saw the spike gives at once
     fresh = new_policy()
     learn(fresh)
-    assert fresh.decide(emptied, emptied, emptied, 3, 1, 11.0) == ("down", 1)
+    assert fresh.decide(calm, calm, calm, 3, 1, 11.0) == ("down", 1)
 
 
 def test_flapping_arrivals_never_take_replicas_down_and_up_again():
