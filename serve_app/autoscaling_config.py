@@ -36,6 +36,16 @@ class AutoscalingPolicyConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    policy: Literal["queue_depth", "serve_default"] = Field(
+        "queue_depth", description="'queue_depth': serve_app.autoscaling:QueueDepthPolicy and "
+        "the fields below. 'serve_default': Ray Serve's own policy (ongoing handle calls per "
+        "replica against target_ongoing_requests; one call carries a Router's whole batch), "
+        "with the bounds, delays and windows below, for comparison."
+    )
+    target_ongoing_requests: float = Field(
+        2.0, gt=0, description="With policy 'serve_default': Serve's target of ongoing calls "
+        "per replica (its default is 2)."
+    )
     min_replicas: int = Field(
         1, ge=0, description="Fewest Worker replicas. 0 lets the deployment scale to zero after "
         "idle_timeout_s; the Router then holds the next request (up to cold_start_timeout_s) "
@@ -140,8 +150,12 @@ class AutoscalingPolicyConfig(BaseModel):
             "downscale_to_zero_delay_s": self.idle_timeout_s,
             "look_back_period_s": self.look_back_period_s,
             "metrics_interval_s": self.metrics_interval_s,
-            "policy": {"policy_function": POLICY_FUNCTION, "policy_kwargs": self.policy_kwargs()},
         }
+        if self.policy == "serve_default":
+            cfg["target_ongoing_requests"] = self.target_ongoing_requests
+        else:
+            cfg["policy"] = {"policy_function": POLICY_FUNCTION,
+                             "policy_kwargs": self.policy_kwargs()}
         if self.initial_replicas is not None:
             cfg["initial_replicas"] = self.initial_replicas
         return cfg

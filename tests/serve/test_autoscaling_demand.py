@@ -193,3 +193,14 @@ def test_bundled_policies_pass_every_setting_to_the_policy():
         policy = QueueDepthPolicy(**spec.policy_kwargs())
         assert policy.start_s == spec.replica_start_s and policy.standby == spec.standby_replicas
         assert (policy.trend is not None) == (spec.predictive_floor == "trend")
+
+
+def test_serve_default_policy_is_selectable_for_comparison():
+    spec = load_policy({"policy": "serve_default", "target_ongoing_requests": 3,
+                        "max_replicas": 3})
+    serve_cfg = AutoscalingConfig(**spec.serve_autoscaling_config())
+    assert serve_cfg.target_ongoing_requests == 3
+    assert serve_cfg.policy.policy_function != "serve_app.autoscaling:QueueDepthPolicy"
+    with pytest.raises(ValueError, match="policy: Input should be 'queue_depth' or "
+                                         "'serve_default'"):
+        load_policy({"policy": "knative"})
