@@ -94,7 +94,7 @@ class LLMEngine:
         self.grammars = Grammars(self.tokenizer, self.hf.vocab_size, self.eos_token_ids,
                                  so.grammar_compile_timeout_s, so.grammar_compile_threads)
         self.prompt_tokens_total = self.generation_tokens_total = 0
-        self.start_phases = clock.phases  # seconds per phase of this engine's start
+        self.start_clock = clock  # its start's phases, for the Worker's breakdown
         self.num_steps = self.num_batched_tokens_total = 0  # (tokens: prefill chunks + decode)
         self.errors: list[tuple[str, Exception]] = []
 

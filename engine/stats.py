@@ -27,14 +27,21 @@ class AsyncEngineStats(EngineStats):
 
 class StartClock:
     """Seconds an engine's start spent in each named phase (``phases``, in order of first
-    mark), for the Worker's start-time breakdown."""
+    mark), and when it began and last marked (wall clock), for the Worker's start-time
+    breakdown."""
 
     def __init__(self) -> None:
         self.phases: dict[str, float] = {}
-        self._last = time.perf_counter()
+        self.started_at = time.time()
+        self._start = self._last = time.perf_counter()
 
     def mark(self, phase: str) -> None:
         """The time since the previous mark (or the clock's start) went to ``phase``."""
         now = time.perf_counter()
         self.phases[phase] = round(self.phases.get(phase, 0.0) + now - self._last, 4)
         self._last = now
+
+    @property
+    def last_mark_at(self) -> float:
+        """The last mark's wall-clock time (``started_at`` before any)."""
+        return self.started_at + (self._last - self._start)

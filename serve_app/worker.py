@@ -32,7 +32,7 @@ from engine.health import EngineDeadError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import AsyncEngineStats
-from serve_app import wire
+from serve_app import startup, wire
 from serve_app.config import AppConfig
 from serve_app.metrics import EngineStatsSource, WorkerMetrics, engine_info
 
@@ -73,7 +73,7 @@ class _Stream:
         self.remaining = 0  # requests not finished yet
 
 
-class Worker:
+class Worker(startup.StartTimed):
     """Owns an engine; batches in, per-step token messages out."""
 
     def __init__(self, config: AppConfig,
