@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Literal, Protocol, cast
@@ -118,6 +119,15 @@ def replica_id() -> str:
     from ray import serve
 
     return serve.get_replica_context().replica_id.unique_id
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (Linux /proc; 0 elsewhere), for leak checks."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 class EngineStatsSource(Protocol):

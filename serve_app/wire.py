@@ -165,9 +165,21 @@ class RoutingStats(TypedDict):
     num_total_blocks: int
     received: dict[str, int]  # requests received per ``stream_key`` (per Router)
     stopped: bool  # its engine stalled or stopped: it answers 503 until Serve replaces it
+    finished_per_s: float  # requests finished here per second (the Routers' drain rate)
 
 
-class AutoscalingStats(TypedDict):
+class DemandStats(TypedDict):
+    """What a Worker adds to its autoscaling stats from ``serve_app.demand``: its finished
+    requests per second and the Routers' demand (sums over their fresh reports, 0.0 with none;
+    the names are ``serve_app.autoscaling``'s FINISHED_PER_S and DEMAND_*)."""
+
+    finished_per_s: float  # requests finished on the replica per second, over 10 s
+    demand_arrivals_per_s: float  # requests the Routers accepted per second (n choices count n)
+    demand_prompt_tokens_per_s: float
+    demand_router_waiting: float  # accepted by the Routers, not handed to a Worker yet
+
+
+class AutoscalingStats(DemandStats):
     """``Worker.record_autoscaling_stats``, the metrics ``QueueDepthPolicy`` reads by name."""
 
     num_waiting: float

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -34,7 +33,8 @@ from engine.sampling_params import SamplingParams
 from engine.stats import AsyncEngineStats
 from serve_app import startup, wire
 from serve_app.config import AppConfig
-from serve_app.metrics import EngineStatsSource, WorkerMetrics, engine_info
+from serve_app.demand import DemandReceiver
+from serve_app.metrics import EngineStatsSource, WorkerMetrics, engine_info, rss_bytes
 
 logger = logging.getLogger("ray.serve")
 
@@ -73,7 +73,7 @@ class _Stream:
         self.remaining = 0  # requests not finished yet
 
 
-class Worker(startup.StartTimed):
+class Worker(DemandReceiver, startup.StartTimed):
     """Owns an engine; batches in, per-step token messages out."""
 
     def __init__(self, config: AppConfig,
@@ -122,6 +122,7 @@ class Worker(startup.StartTimed):
             while stream.remaining:
                 message = wire.StepMessage.gather(await stream.queue.get(), stream.queue)
                 stream.remaining -= message.num_finished
+                self.demand.finished.add(message.num_finished)
                 yield message  # batches may join while this waits for the consumer
         finally:
             if stream_key is not None and self._streams.get(stream_key) is stream:
@@ -201,7 +202,7 @@ class Worker(startup.StartTimed):
         """The engine's stats and this replica's counters (the Router's ``/v1/stats``)."""
         return {**self.engine.get_stats(), "replica": self.replica_id,
                 "requests_total": self.requests_total, "aborted_total": self.aborted_total,
-                "rss_bytes": _rss_bytes(), "batches_total": self.batches_total,
+                "rss_bytes": rss_bytes(), "batches_total": self.batches_total,
                 "batches_running": self.batches_running}
 
     # ---- hooks Serve calls -----------------------------------------------------------------
@@ -214,7 +215,8 @@ class Worker(startup.StartTimed):
         waiting = max(s["num_waiting"], len(self._pumps) - s["num_running"])
         return {"num_waiting": waiting, "num_running": s["num_running"],
                 "num_free_blocks": s["num_free_blocks"], "num_total_blocks": s["num_total_blocks"],
-                "received": dict(self._received), "stopped": not self.engine.is_running}
+                "received": dict(self._received), "stopped": not self.engine.is_running,
+                "finished_per_s": self.demand.finished.rate()}
 
     def record_autoscaling_stats(self) -> wire.AutoscalingStats:
         """The real load, for ``serve_app.autoscaling.QueueDepthPolicy``: one handle call carries
@@ -224,7 +226,7 @@ class Worker(startup.StartTimed):
         return {"num_waiting": float(s["num_waiting"]), "num_running": float(s["num_running"]),
                 "kv_cache_usage": float(s["kv_cache_usage"]),
                 "seq_slot_usage": float(s["num_running"]) / slots,
-                "output_tokens_per_s": s["output_tokens_per_s"]}
+                "output_tokens_per_s": s["output_tokens_per_s"], **self.demand.stats()}
 
     def check_health(self) -> None:
         """Serve's probe, on this replica's event loop (the engine's check never blocks)."""
@@ -281,15 +283,6 @@ def _rank_launcher(config: AppConfig) -> Any:
     replica = serve.get_replica_context().replica_id.unique_id
     return RayRankLauncher(f"pagedserve-tp-{replica}", num_cpus=config.worker_num_cpus,
                            num_gpus=1 if config.use_gpu() else 0)
-
-
-def _rss_bytes() -> int:
-    """This process's resident memory (Linux /proc; 0 elsewhere), for leak checks."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 def _has_running_loop() -> bool:
