@@ -115,6 +115,7 @@ def worker_options(cfg: AppConfig) -> dict[str, Any]:
             "prefix_chunk_tokens": cfg.prefix_chunk_tokens,
             "prefix_min_match_tokens": cfg.prefix_min_match_tokens,
             "imbalance_threshold": cfg.imbalance_threshold,
+            **standby_kwargs(cfg),
         },
         "request_routing_stats_period_s": cfg.routing_stats_period_s,
     }
@@ -134,6 +135,17 @@ def worker_options(cfg: AppConfig) -> dict[str, Any]:
         opts["placement_group_bundles"] = [bundle] * tp
         opts["placement_group_strategy"] = "STRICT_PACK"
     return opts
+
+
+def standby_kwargs(cfg: AppConfig) -> dict[str, Any]:
+    """The request router's standby rule: how many warm Workers the policy keeps unrouted, and
+    when an active one is full (the policy's own bounds). Empty without a policy."""
+    policy = cfg.autoscaling
+    if policy is None:
+        return {}
+    return {"standby_replicas": policy.standby_replicas,
+            "target_queue_per_replica": policy.target_queue_per_replica,
+            "max_kv_usage": policy.max_kv_usage}
 
 
 def scaling_options(cfg: AppConfig) -> dict[str, Any]:

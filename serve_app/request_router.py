@@ -21,6 +21,17 @@ Ties go to the replica with more free KV blocks. A replica whose engine has stal
 (its report's ``stopped``) comes last and gets no prefix affinity: until Serve replaces it, it
 only answers 503. Prefix ownership is what this handle has sent where: chained hashes of
 ``prefix_chunk_tokens``-token prompt chunks, kept in an LRU.
+
+**Standby replicas** (``standby_replicas`` N > 0, the autoscaling policy's setting): Workers
+started and loaded but sent no batch, so that a burst finds capacity already warm. Live replicas
+are ordered by when this handle first saw them; walking from the youngest, the first N that
+hold no request (reported or in transit) are standby. A batch goes to a standby replica only
+when every active replica is full: its queue (waiting + in transit) is at least
+``target_queue_per_replica``, its KV-cache usage at least ``max_kv_usage``, or its engine has
+stopped. That batch promotes it (it then holds requests, so it is active: one routing decision,
+no start) and the next-youngest idle replica, if any, becomes standby; the policy, which counts
+standby replicas in its answer, sees the load and starts a replacement. Each Router's handle
+applies the rule on its own view.
 """
 
 from __future__ import annotations
@@ -42,7 +53,13 @@ class WorkerRequestRouter(RequestRouter):
     """Least loaded by reported queue depth and free KV blocks, with prefix affinity."""
 
     def initialize_state(self, prefix_chunk_tokens: int = 32, prefix_min_match_tokens: int = 64,
-                         imbalance_threshold: int = 16, **_: Any) -> None:
+                         imbalance_threshold: int = 16, standby_replicas: int = 0,
+                         target_queue_per_replica: float = 4.0, max_kv_usage: float = 0.9,
+                         **_: Any) -> None:
+        self._standby = standby_replicas
+        self._full_queue, self._full_kv = target_queue_per_replica, max_kv_usage
+        self._seen: dict[str, int] = {}  # replica id -> order in which this handle first saw it
+        self._seen_count = 0
         self._chunk = prefix_chunk_tokens
         self._min_match = prefix_min_match_tokens
         self._imbalance = imbalance_threshold
@@ -67,12 +84,46 @@ class WorkerRequestRouter(RequestRouter):
                                   if r.replica_id.unique_id != avoid]
             if not candidate_replicas:
                 return []
-        ranked = sorted(candidate_replicas, key=self._load_key)
+        active, standby = self._split_standby(candidate_replicas)
+        ranked = sorted(active, key=self._load_key)
         best = self._affine_replica(ranked, kwargs.get("prefix_hashes"))
         if best is not None:
             ranked.remove(best)
             ranked.insert(0, best)
+        if standby and all(self._full(r) for r in active):
+            return [[r] for r in standby + ranked]  # promote the oldest standby replica
         return [[r] for r in ranked]
+
+    # ---- standby replicas ------------------------------------------------------------------
+
+    def _split_standby(self, replicas: list[RunningReplica],
+                       ) -> tuple[list[RunningReplica], list[RunningReplica]]:
+        """(active, standby): standby are the youngest ``standby_replicas`` that hold no
+        request, oldest first; all are active with the setting at 0."""
+        if self._standby <= 0:
+            return replicas, []
+        live = {r.replica_id.unique_id for r in replicas}
+        for rid in sorted(live - self._seen.keys()):  # seen together: by id, for determinism
+            self._seen[rid] = self._seen_count
+            self._seen_count += 1
+        if len(self._seen) > len(live):
+            self._seen = {rid: n for rid, n in self._seen.items() if rid in live}
+        standby: list[RunningReplica] = []
+        for r in sorted(replicas, key=lambda r: -self._seen[r.replica_id.unique_id]):
+            if len(standby) == self._standby:
+                break
+            if self.load(r) == 0 and not _stats(r).get("stopped", False):
+                standby.insert(0, r)
+        return [r for r in replicas if r not in standby], standby
+
+    def _full(self, replica: RunningReplica) -> bool:
+        """No room: its queue or its KV-cache usage at the autoscaling bounds, or stopped."""
+        stats = _stats(replica)
+        total = stats.get("num_total_blocks") or 1
+        usage = 1.0 - stats.get("num_free_blocks", total) / total
+        queue = self.load(replica) - int(stats.get("num_running", 0))
+        return (queue >= self._full_queue or usage >= self._full_kv
+                or bool(stats.get("stopped", False)))
 
     # ---- load ------------------------------------------------------------------------------
 
