@@ -56,6 +56,7 @@ class Sim:
         self.series: list[tuple[float, int, int]] = []  # (t, replicas, requests waiting)
         self.targets: list[tuple[float, int]] = []      # (t, target) at each control tick
         self.requests: list[Req] = []
+        self._cache: tuple = (None, None)
 
     def run(self, trace: Trace) -> dict:
         serve_policy.time = SimpleNamespace(time=lambda: self.now, monotonic=time.monotonic)
@@ -106,9 +107,29 @@ class Sim:
     def context(self) -> AutoscalingContext:
         """What Serve's controller would hand the policy now."""
         cfg = self.cfg
-        pushed = math.floor(self.now / cfg.metrics_interval_s) * cfg.metrics_interval_s
-        lo = pushed - cfg.look_back_period_s
         ready = self._ready()
+        metrics, raw, ongoing = self._reports(ready)
+        queued = float(len(self.router.queue))
+        return AutoscalingContext(
+            deployment_id=DEP, deployment_name=DEP.name, app_name=DEP.app_name,
+            current_num_replicas=len(ready), target_num_replicas=self.target,
+            running_replicas=[r.rid for r in ready], total_num_requests=ongoing + queued,
+            total_queued_requests=queued, aggregated_metrics=metrics, raw_metrics=raw,
+            capacity_adjusted_min_replicas=cfg.min_replicas,
+            capacity_adjusted_max_replicas=cfg.max_replicas, policy_state=self.state,
+            last_scale_up_time=None, last_scale_down_time=None, current_time=self.now,
+            config=cfg)
+
+    def _reports(self, ready: list[Replica]) -> tuple[dict, dict, float]:
+        """The replicas' reports as of the last push: look-back averages, time series, and
+        the requests they hold (averaged). Cached until the next push or a change of replicas:
+        nothing the controller sees changes in between."""
+        cfg = self.cfg
+        pushed = math.floor(self.now / cfg.metrics_interval_s) * cfg.metrics_interval_s
+        key = (pushed, tuple(r.index for r in ready))
+        if self._cache[0] == key:
+            return self._cache[1]
+        lo = pushed - cfg.look_back_period_s
         metrics: dict[str, dict] = {k: {} for k in METRICS}
         raw: dict[str, dict] = {k: {} for k in METRICS}
         ongoing = 0.0
@@ -120,16 +141,8 @@ class Sim:
                 metrics[name][r.rid] = sum(s[i] for s in seen) / len(seen)
                 raw[name][r.rid] = [TimeStampedValue(s[0], s[i]) for s in seen]
             ongoing += metrics[METRICS[0]][r.rid] + metrics[METRICS[1]][r.rid]
-        queued = float(len(self.router.queue))
-        return AutoscalingContext(
-            deployment_id=DEP, deployment_name=DEP.name, app_name=DEP.app_name,
-            current_num_replicas=len(ready), target_num_replicas=self.target,
-            running_replicas=[r.rid for r in ready], total_num_requests=ongoing + queued,
-            total_queued_requests=queued, aggregated_metrics=metrics, raw_metrics=raw,
-            capacity_adjusted_min_replicas=cfg.min_replicas,
-            capacity_adjusted_max_replicas=cfg.max_replicas, policy_state=self.state,
-            last_scale_up_time=None, last_scale_down_time=None, current_time=self.now,
-            config=cfg)
+        self._cache = (key, (metrics, raw, ongoing))
+        return metrics, raw, ongoing
 
     def _control(self) -> None:
         decision, self.state = self.policy(self.context())
