@@ -4,8 +4,8 @@ plays a load script against a policy as Serve's controller would (no fleet, no t
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Callable
 
 import ray.serve.autoscaling_policy as serve_policy
 from ray.serve._private.common import ReplicaID, TimeStampedValue
