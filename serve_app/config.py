@@ -78,6 +78,13 @@ class AppConfig(BaseModel):
         1024, ge=1, description="Bound on a Router replica's waiting queue: requests accepted but "
         "without a first token yet. Requests beyond it get 429 with Retry-After."
     )
+    ttft_slo_s: float | None = Field(
+        None, gt=0.0, description="Time-to-first-token objective (seconds) for admission by "
+        "predicted wait: a request whose predicted queue wait (what waits ahead of it over the "
+        "Workers' finished requests/s, plus the start still to go while no Worker runs) is over "
+        "it gets 429 with a computed Retry-After; while a Worker starts and the prediction meets "
+        "it, the request is held. None = off; max_waiting_requests is a hard cap either way."
+    )
     max_request_body_bytes: int = Field(
         4 * 1024 * 1024, ge=1024, description="Largest accepted HTTP request body; larger ones "
         "get 413."

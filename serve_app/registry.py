@@ -2,7 +2,8 @@
 
 Serve pickles a custom request router's module *by value*, so state the Router must share with
 its handle's ``WorkerRequestRouter`` lives here, in a module pickled by reference. The Router
-reads the running Worker replica ids from it to aggregate stats and check health.
+reads the running Worker replica ids from it to aggregate stats and check health, and their
+last routing stats for admission.
 """
 
 from __future__ import annotations
@@ -26,3 +27,12 @@ def known_replicas(deployment: str = "Worker") -> list[str]:
     if router is None:
         return []
     return [rid.unique_id for rid in list(router.curr_replicas)]
+
+
+def routing_stats(deployment: str = "Worker") -> list[dict[str, Any]]:
+    """The last ``record_routing_stats`` of each running replica (empty before its first)."""
+    with _LOCK:
+        router = _LIVE.get(deployment)
+    if router is None:
+        return []
+    return [dict(r.routing_stats or {}) for r in list(router.curr_replicas.values())]

@@ -1,9 +1,8 @@
 """Router deployment: the OpenAI HTTP front end and the dynamic batcher.
 
 Per request: authorize, read the body (413 over ``max_request_body_bytes``), validate (400),
-check the model name (404), tokenize and check the length (400), admit (429 over
-``max_waiting_requests``), then queue one ``EngineRequest`` per prompt in the batcher and stream
-the Worker's tokens back as SSE or collect them into the final JSON. Leaving early (client gone,
+check the model name (404), tokenize and check the length (400), admit (429: ``admission``),
+then queue one ``EngineRequest`` per prompt in the batcher and stream the Worker's tokens back as SSE or collect them into the final JSON. Leaving early (client gone,
 stop string) aborts the request at the Worker replica that holds it.
 
 No ``from __future__ import annotations``: FastAPI must see ``Request`` as a class through
@@ -14,7 +13,6 @@ import asyncio
 import hashlib
 import hmac
 import logging
-import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,8 +24,10 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from engine.sampling_params import SamplingParams
+from serve_app.admission import Admission, Rejected
 from serve_app.batcher import DynamicBatcher, EngineRequest
 from serve_app.config import AppConfig
+from serve_app.demand import DemandReporter
 from serve_app.endpoints import RouterEndpoints, routes, system_fingerprint
 from serve_app.errors import APIError, install_handlers
 from serve_app.prompts import PromptProcessor
@@ -79,6 +79,8 @@ class Router(RouterEndpoints):
         self._health: tuple[float, bool] = (0.0, False)
         self._init_task = asyncio.get_running_loop().create_task(self._load_model_info())
         self._waking: asyncio.Task[None] | None = None  # brings a Worker up from zero replicas
+        self.demand = DemandReporter(worker, self.workers.replicas, self._active).start()
+        self.admission = Admission.for_router(config, self._active)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         """This replica's app (Serve's copy of ``api``), its HTTP responses counted into
@@ -115,7 +117,7 @@ class Router(RouterEndpoints):
         """Router counters and every Worker replica's engine stats (with their sum)."""
         self._authorize(request)
         workers = await self.workers.stats()
-        router = {**self._counters, "num_waiting": self._num_waiting(),
+        router = {**self._counters, "num_waiting": self.admission.num_waiting(),
                   "num_active": len(self._active),
                   "batch_sizes": {str(k): v for k, v in sorted(self.batcher.batch_sizes.items())}}
         return JSONResponse({"router": router, "workers": workers, "total": sum_stats(workers)})
@@ -125,7 +127,7 @@ class Router(RouterEndpoints):
         arrived = time.monotonic()  # time to first token counts from here, as vLLM's does
         self._authorize(request)
         req: CompletionRequest = parse_request(CompletionRequest, await self._body(request))
-        p = await self._ready()
+        p = await self._ready(shed=True)
         p.check_model(req.model)
         p.check_size(len(req.prompts()), req.n, req.max_tokens, req.max_tokens_param)
         prompts, params, echo = await self._off_loop(p.prepare_completion, req)
@@ -144,7 +146,7 @@ class Router(RouterEndpoints):
         self._authorize(request)
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest,
                                                    await self._body(request))
-        p = await self._ready()
+        p = await self._ready(shed=True)
         p.check_model(req.model)
         p.check_size(1, req.n, req.completion_limit(), req.max_tokens_param)
         ids, params, tools = await self._off_loop(p.prepare_chat, req)
@@ -167,6 +169,7 @@ class Router(RouterEndpoints):
                    arrived: float) -> Any:
         """Admit, queue one engine request per prompt, and answer with SSE or JSON."""
         self._admit(len(prompts) * req.n)
+        self.demand.accepted(len(prompts) * req.n, sum(map(len, prompts)))
         events: asyncio.Queue[tuple[EngineRequest, Part]] = asyncio.Queue()  # shared by its prompts
         engine_reqs = [EngineRequest(ids, sp, p.prefix_hashes(ids), events=events,
                                      arrived_at=arrived)
@@ -240,8 +243,10 @@ class Router(RouterEndpoints):
     async def _body(self, request: Request) -> bytes:
         return await read_body(request, self.cfg.max_request_body_bytes)
 
-    async def _ready(self) -> PromptProcessor:
+    async def _ready(self, shed: bool = False) -> PromptProcessor:
         if self.cfg.scales_to_zero() and (self.prompts is None or not self.workers.replicas()):
+            if shed:  # a request to admit: 429 if holding it for a Worker to start would not do
+                self._admit(None)
             await self._wait_for_worker()
         if self.prompts is None:
             raise APIError(503, "no Worker has loaded the model yet; retry shortly",
@@ -283,17 +288,13 @@ class Router(RouterEndpoints):
         self._health = (time.monotonic(), ok)
         return ok
 
-    def _num_waiting(self) -> int:
-        """Sequences accepted without a first token yet (a prompt with ``n`` choices is n)."""
-        return sum(r.params.n for r in self._active
-                   if r.first_output_at is None and not r.finished)
-
-    def _admit(self, num_seqs: int) -> None:
-        """429 when ``num_seqs`` more would take the waiting queue over its bound."""
-        self._counters["requests_total"] += 1
-        if self._num_waiting() + num_seqs > self.cfg.max_waiting_requests:
+    def _admit(self, num_seqs: int | None) -> None:
+        """429 unless ``num_seqs`` more sequences pass admission (None: to hold for a Worker)."""
+        self._counters["requests_total"] += num_seqs is not None
+        try:
+            self.admission.admit(num_seqs, self._ttft_ewma_s)
+        except Rejected as exc:
+            self._counters["requests_total"] += num_seqs is None  # it ends here, before _run
             self._counters["rejected_429_total"] += 1
-            self.metrics.rejected("queue_full")
-            retry = max(1, math.ceil(self._ttft_ewma_s))
-            raise APIError(429, f"the server is busy ({self._num_waiting()} requests waiting); "
-                           f"retry after {retry}s", headers={"Retry-After": str(retry)})
+            self.metrics.rejected(exc.cause)
+            raise

@@ -90,6 +90,7 @@ def test_an_empty_or_padded_api_key_is_a_start_up_error(key, message):
 def test_admission_counts_sequences_not_prompts():
     """A prompt with ``n`` choices is ``n`` sequences against ``max_waiting_requests``: one
     request with n=16 once counted as 1 and could hold the whole engine."""
+    from serve_app.admission import Admission
     from serve_app.router import Router
 
     cls = Router.func_or_class
@@ -98,13 +99,13 @@ def test_admission_counts_sequences_not_prompts():
     started.note_output(1.0)
     rejected = []
     router = SimpleNamespace(
-        _active={*waiting, started}, _counters={"requests_total": 0, "rejected_429_total": 0},
-        cfg=SimpleNamespace(max_waiting_requests=6), _ttft_ewma_s=0.0,
+        _counters={"requests_total": 0, "rejected_429_total": 0}, _ttft_ewma_s=0.0,
+        admission=Admission(6, None, 0.0, {*waiting, started}, routing_stats=list),
         metrics=SimpleNamespace(rejected=rejected.append))
-    router._num_waiting = lambda: cls._num_waiting(router)
-    assert router._num_waiting() == 4
+    assert router.admission.num_waiting() == 4
     cls._admit(router, 2)  # 4 + 2 <= 6: admitted
     with pytest.raises(APIError) as err:
         cls._admit(router, 3)
     assert err.value.status == 429 and err.value.headers["Retry-After"] == "1"
-    assert rejected == ["queue_full"] and router._counters["rejected_429_total"] == 1
+    assert rejected == ["queue_full"]
+    assert router._counters == {"requests_total": 2, "rejected_429_total": 1}
