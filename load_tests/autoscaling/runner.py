@@ -57,8 +57,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="600 s, seed 0, start 30 s (for tests and a first look)")
     args = p.parse_args(argv)
-    if args.quick:
-        args.duration_s, args.seeds, args.startup_s = 600.0, [0], [30.0]
+    if args.quick:  # what was not given explicitly
+        given = set(argv or sys.argv[1:])
+        if "--duration-s" not in given:
+            args.duration_s = 600.0
+        if "--seeds" not in given:
+            args.seeds = [0]
+        if "--startup-s" not in given:
+            args.startup_s = [30.0]
     return args
 
 
@@ -97,6 +103,8 @@ def run_job(job: tuple) -> list[dict]:
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the policies' decision lines
     args = SimpleNamespace(**opts)
     trace = _trace(trace_name, args.duration_s, seed)
+    if trace_name.startswith("csv:"):  # a replay lasts until its last arrival
+        args.duration_s = trace[-1][0]
     if label == "fixed":
         n, result = cheapest_fixed(args, trace_name, trace, starts[0])
         return [{**_key("fixed", trace_name, seed, s), "replicas": n, **result} for s in starts]
@@ -109,10 +117,9 @@ def simulate(label: str, args: SimpleNamespace, trace: list, start_s: float) -> 
     spec = policy_spec(args.policy, overrides, start_s)
     hw = SimpleNamespace(max_num_seqs=args.max_num_seqs, kv_tokens=args.kv_tokens,
                          step_base_s=args.step_base_s, step_per_seq_s=args.step_per_seq_s)
-    duration = args.duration_s if trace and trace[-1][0] <= args.duration_s else trace[-1][0]
     run = SimpleNamespace(tick_s=args.tick_s, control_period_s=args.control_period_s,
                           start_s=start_s, prefill_tokens_per_s=args.prefill_tokens_per_s,
-                          ttft_slo_s=args.ttft_slo_s, duration_s=duration)
+                          ttft_slo_s=args.ttft_slo_s, duration_s=args.duration_s)
     policy, cfg, router = build(label, spec, hw, trace, start_s)
     return Sim(policy, cfg, hw, run, router).run(trace)
 

@@ -166,3 +166,16 @@ def test_quick_comparison_prints_a_line_per_run(capsys):
         "fixed", "knative_kpa", "queue_depth", "serve_default_t16"]
     assert all(line["requests"] > 0 and line["replica_s"] > 0 for line in lines)
     assert "| 30 | queue_depth |" in capsys.readouterr().err
+
+
+def test_csv_replay_runs_to_its_last_arrival(tmp_path):
+    from load_tests.autoscaling.runner import main
+
+    path = tmp_path / "mine.csv"
+    path.write_text("arrival_s,prompt_tokens,output_tokens\n" +
+                    "".join(f"{i * 0.5},200,50\n" for i in range(40)))
+    lines = main(["--trace", f"csv:{path}", "--seeds", "0", "--startup-s", "5", "--jobs", "1",
+                  "--default-targets", "--baselines", "fixed"])
+    fixed_line = next(line for line in lines if line["policy"] == "fixed")
+    assert fixed_line["requests"] == 40 and fixed_line["replicas"] == 1
+    assert 19.5 <= fixed_line["replica_s"] < 25  # one replica until the last arrival (19.5 s)
