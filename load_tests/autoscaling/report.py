@@ -85,6 +85,6 @@ def plot(lines: list[dict], path: str) -> None:
             ax.set(title=f"{trace}, start {start:g} s", xlabel="replica-seconds",
                    ylabel="p95 TTFT (s)", yscale="log")
             ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    axes[0][0].legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
