@@ -49,7 +49,8 @@ downscale_threshold``, ``S = replica_start_s``, ``n`` replicas running:
 The answer adds ``standby_replicas`` warm replicas to what the load needs: started and loaded,
 the Router sends them nothing until every active replica is full (``WorkerRequestRouter``).
 
-This module is pickled by value into Serve's controller: it imports nothing from ``serve_app``.
+This module is pickled by value into Serve's controller. Of ``serve_app`` it imports only
+``serve_app.autoscaling_estimators`` (the standard library alone), by reference.
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import deque
 from typing import Any
+
+from serve_app.autoscaling_estimators import Capacity, Trend
 
 logger = logging.getLogger("ray.serve")
 
@@ -71,8 +73,6 @@ FINISHED_PER_S = "finished_per_s"  # requests finished per second on the replica
 DEMAND_ARRIVALS, DEMAND_PROMPT_TPS, DEMAND_WAITING = (
     "demand_arrivals_per_s", "demand_prompt_tokens_per_s", "demand_router_waiting")
 STATE_KEY = "queue_depth_policy"  # our entry in Serve's policy_state
-CAPACITY_MEMORY_S = 600.0  # how long a capacity observation is kept
-MIN_OBSERVED_USAGE = 0.05  # per replica: below it finished/usage is noise
 BURST_FLOOR_PER_S = 0.5  # panic-window arrivals below this never make a burst
 
 
@@ -134,7 +134,7 @@ class QueueDepthPolicy:
         """
         now = time.time() if now is None else now
         self.capacity.observe(window, now)
-        arrivals = max(load.arrivals, short.arrivals)
+        arrivals = short.arrivals  # the panic window: a 2 s rate is mostly Poisson noise
         if self.trend is not None:
             self.trend.add(now, window.arrivals)
         need = max(self._needed_now(load, arrivals), self._needed_now(short, arrivals),
@@ -182,55 +182,6 @@ class QueueDepthPolicy:
         if self.trend is None:
             return 0
         return self._replicas_for_rate(self.trend.predict(self.start_s), 1.0)
-
-
-class Capacity:
-    """Requests/s one replica finishes per unit of usage (see the module docstring)."""
-
-    def __init__(self) -> None:
-        self._seen: deque[tuple[float, float, float]] = deque()  # (time, usage/replica, rate)
-
-    def observe(self, window: Load, now: float) -> None:
-        while self._seen and self._seen[0][0] < now - CAPACITY_MEMORY_S:
-            self._seen.popleft()
-        if window.replicas and window.finished > 0:
-            per_replica = window.usage / window.replicas
-            if per_replica >= MIN_OBSERVED_USAGE:
-                self._seen.append((now, per_replica, window.finished / window.usage))
-
-    @property
-    def per_usage(self) -> float | None:
-        if not self._seen:
-            return None
-        return max(self._seen, key=lambda s: (s[1], s[0]))[2]  # at the highest usage, latest
-
-
-class Trend:
-    """The arrival rate's least-squares line over a trailing window, one point a second."""
-
-    def __init__(self, window_s: float) -> None:
-        _check(window_s > 0, "trend_window_s", "must be > 0", window_s)
-        self.window_s = float(window_s)
-        self._points: deque[tuple[float, float]] = deque()
-
-    def add(self, now: float, rate: float) -> None:
-        if self._points and now - self._points[-1][0] < 1.0:
-            return
-        self._points.append((now, rate))
-        while self._points[0][0] < now - self.window_s:
-            self._points.popleft()
-
-    def predict(self, ahead_s: float) -> float:
-        """The rate ``ahead_s`` after the last point: never below it (a floor only rises)."""
-        if len(self._points) < 3:
-            return 0.0
-        n = len(self._points)
-        mt = sum(t for t, _ in self._points) / n
-        mr = sum(r for _, r in self._points) / n
-        var = sum((t - mt) ** 2 for t, _ in self._points)
-        slope = sum((t - mt) * (r - mr) for t, r in self._points) / var if var else 0.0
-        t_last, r_last = self._points[-1]
-        return max(r_last, mr + slope * (t_last + ahead_s - mt))
 
 
 class Load:

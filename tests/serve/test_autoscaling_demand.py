@@ -156,6 +156,10 @@ def test_capacity_is_the_one_measured_at_the_highest_usage():
     assert policy.capacity.per_usage == pytest.approx(6.0)  # the fuller one counts
     policy.decide(light, light, light, 2, 1, 700.0)  # ten minutes later it is forgotten
     assert policy.capacity.per_usage == pytest.approx(10.0)
+    # a ramp: 5/s arrive, the cache fills, completions lag behind: not a capacity reading
+    ramp = load(1, usage=0.9, finished=1.0, arrivals=5.0)
+    policy.decide(ramp, ramp, ramp, 1, 1, 701.0)
+    assert policy.capacity.per_usage == pytest.approx(10.0)
 
 
 def _context(per_replica: dict[str, list[float]], queued: float = 0.0) -> AutoscalingContext:
@@ -175,14 +179,15 @@ def _context(per_replica: dict[str, list[float]], queued: float = 0.0) -> Autosc
 
 
 def test_the_routers_forwarded_demand_is_read_once_not_summed_over_workers():
-    ctx = _context({WAITING: [2.0, 1.0], RUNNING: [10.0, 10.0], KV_USAGE: [0.3, 0.3],
-                    FINISHED_PER_S: [1.0, 2.0], DEMAND_ARRIVALS: [7.0, 7.0],
+    ctx = _context({WAITING: [2.0, 1.0], RUNNING: [10.0, 10.0], KV_USAGE: [0.7, 0.7],
+                    FINISHED_PER_S: [3.0, 4.0], DEMAND_ARRIVALS: [7.0, 7.0],
                     DEMAND_WAITING: [5.0, 5.0]}, queued=2.0)
     got = Load.from_context(ctx)
     assert got.arrivals == 7.0  # every Worker forwards the same Routers' sums
     assert got.queue == 2.0 + 1.0 + 2.0 + 5.0  # Workers' queues, handles, Routers' held
-    assert got.finished == 3.0 and got.usage == pytest.approx(0.6)
+    assert got.finished == 7.0 and got.usage == pytest.approx(1.4)
     replicas, state = new_policy()(ctx)
+    # a steady state (7 finish as 7 arrive): 7 / 1.4 = 5 requests/s per full replica
     assert state[STATE_KEY]["arrivals"] == 7.0 and state[STATE_KEY]["capacity"] == 5.0
     assert replicas == 2  # ceil(7 / (5 * 0.8)) = 2, the replicas already running
 
