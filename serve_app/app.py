@@ -53,7 +53,8 @@ def fit_reservations(cfg: AppConfig, cpus: float) -> AppConfig:
     Workers leaves) and the Workers' ranks share the rest evenly. Values the user set are kept;
     where they alone cannot fit, a warning says so.
     """
-    workers = cfg.num_workers if cfg.autoscaling is None else max(1, cfg.autoscaling.min_replicas)
+    # every Worker the policy may start must be placeable, or a scale-up waits forever
+    workers = cfg.num_workers if cfg.autoscaling is None else cfg.autoscaling.max_replicas
     ranks, routers = workers * cfg.engine.parallel.tensor_parallel_size, cfg.num_routers
     need = ranks * cfg.worker_num_cpus + routers * cfg.router_num_cpus
     if need <= cpus:

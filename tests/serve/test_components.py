@@ -84,7 +84,9 @@ def test_a_cpu_worker_takes_its_share_of_the_cores(args, cores, threads):
     ({"num_workers": 2}, 2, 0.75, 0.5),
     ({"num_workers": 3, "num_routers": 2}, 3, 0.75, 0.375),
     ({"tensor_parallel_size": 2}, 2, 0.75, 0.5),  # each rank reserves worker_num_cpus
-    ({"autoscaling": {"min_replicas": 0, "max_replicas": 4}}, 1, 0.75, 0.25),
+    ({"autoscaling": {"min_replicas": 0, "max_replicas": 4}}, 1, 0.1875, 0.25),
+    # a second Worker the policy starts on 2 cores (it waited forever, pending, at 1 CPU)
+    ({"autoscaling": {"min_replicas": 1, "max_replicas": 2}}, 2, 0.75, 0.5),
     ({"num_workers": 3}, 2, 0.5, 0.5),
     # a reservation the user set stays; the default beside it takes what is left
     ({"num_workers": 2, "router_num_cpus": 0.1}, 2, 0.95, 0.1),
