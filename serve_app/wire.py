@@ -153,6 +153,7 @@ class WorkerStats(AsyncEngineStats):
     rss_bytes: int  # the replica process's resident memory
     batches_total: int
     batches_running: int
+    demand: DemandStats  # what this replica reports to the autoscaler of demand and finishes
 
 
 class RoutingStats(TypedDict):

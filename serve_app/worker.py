@@ -203,7 +203,7 @@ class Worker(DemandReceiver, startup.StartTimed):
         return {**self.engine.get_stats(), "replica": self.replica_id,
                 "requests_total": self.requests_total, "aborted_total": self.aborted_total,
                 "rss_bytes": rss_bytes(), "batches_total": self.batches_total,
-                "batches_running": self.batches_running}
+                "batches_running": self.batches_running, "demand": self.demand.stats()}
 
     # ---- hooks Serve calls -----------------------------------------------------------------
 
