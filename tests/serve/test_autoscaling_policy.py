@@ -262,7 +262,7 @@ def test_worker_options_carry_the_policy_and_the_drain():
     assert (serve_cfg.min_replicas, serve_cfg.max_replicas) == (1, 4)
     kwargs = serve_cfg.policy.policy_kwargs
     assert kwargs == load_policy("latency_first").policy_kwargs()
-    assert (kwargs["target_queue_per_replica"], kwargs["max_kv_usage"]) == (2.0, 0.8)
+    assert (kwargs["target_queue_per_replica"], kwargs["max_kv_usage"]) == (2.0, 0.9)
     assert QueueDepthPolicy(**kwargs).standby == kwargs["standby_replicas"]
     assert (opts["graceful_shutdown_timeout_s"], opts["graceful_shutdown_wait_loop_s"]) == (60, 0.5)
     fixed = worker_options(AppConfig(accelerator="cpu", num_workers=3))
