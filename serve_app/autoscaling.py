@@ -15,8 +15,9 @@ Signals (``Load``), over the running replicas, read three ways: each replica's l
 reports of the short *panic window* (``panic_window_s``) and Serve's average over
 ``look_back_period_s`` (the stable window):
 
-* ``queue``: requests waiting in the Workers' schedulers, plus batch calls queued at the Routers'
-  handles, plus requests the Routers hold that no Worker has yet;
+* ``queue``: requests waiting in the Workers' schedulers, plus those the Routers hold that no
+  Worker has yet (their report, which counts calls queued at their handles, or Serve's count
+  of those calls when larger);
 * ``running``; ``usage``: per replica the larger of its KV-cache use and its sequence-slot use,
   summed (units of one full replica); ``finished``: requests finished per second;
 * ``arrivals``: requests per second accepted by the Routers (the leading signal).
@@ -217,7 +218,9 @@ class Load:
 
         kv, slots = per_replica(KV_USAGE), per_replica(SLOT_USAGE)
         usage = sum(max(v, slots.get(rid, 0.0)) for rid, v in kv.items())
-        queued = float(ctx.total_queued_requests or 0.0) + largest(DEMAND_WAITING)
+        # requests the Routers hold: their own count includes the calls queued at their
+        # handles (Serve's total_queued_requests), so the larger of the two, not the sum
+        queued = max(float(ctx.total_queued_requests or 0.0), largest(DEMAND_WAITING))
         config = getattr(ctx, "config", None)
         return cls(queue=total(WAITING) + queued, running=total(RUNNING), usage=usage,
                    tokens_per_s=total(TOKENS_PER_S), finished=total(FINISHED_PER_S),

@@ -184,7 +184,9 @@ def test_the_routers_forwarded_demand_is_read_once_not_summed_over_workers():
                     DEMAND_WAITING: [5.0, 5.0]}, queued=2.0)
     got = Load.from_context(ctx)
     assert got.arrivals == 7.0  # every Worker forwards the same Routers' sums
-    assert got.queue == 2.0 + 1.0 + 2.0 + 5.0  # Workers' queues, handles, Routers' held
+    # the Workers' queues and what the Routers hold (5, which includes the 2 calls queued at
+    # their handles: not added twice)
+    assert got.queue == 2.0 + 1.0 + 5.0
     assert got.finished == 7.0 and got.usage == pytest.approx(1.4)
     replicas, state = new_policy()(ctx)
     # a steady state (7 finish as 7 arrive): 7 / 1.4 = 5 requests/s per full replica
