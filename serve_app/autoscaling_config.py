@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 POLICY_FUNCTION = "serve_app.autoscaling:QueueDepthPolicy"
 POLICY_DIR = Path(__file__).resolve().parents[1] / "deploy" / "autoscaling"
 _NAME = re.compile(r"^[A-Za-z0-9_-]+$")
+DEFAULT_PANIC_WINDOW_S = 6.0
 POLICY_FIELDS = ("target_queue_per_replica", "max_kv_usage", "downscale_threshold",
                  "replica_start_s", "panic_window_s", "panic_threshold", "standby_replicas",
                  "predictive_floor", "trend_window_s")
@@ -74,9 +75,10 @@ class AutoscalingPolicyConfig(BaseModel):
         "load_tests/start_time.py measures): a burst is sized for the backlog that builds "
         "meanwhile, and the trend floor looks this far ahead."
     )
-    panic_window_s: float = Field(
-        6.0, gt=0, description="Short window beside look_back_period_s: the Routers' arrival "
-        "rate over it is compared with the long window's to detect a burst."
+    panic_window_s: float | None = Field(
+        None, gt=0, description="Short window beside look_back_period_s: the Routers' arrival "
+        "rate over it is compared with the long window's to detect a burst. Not set: 6 s, or "
+        "half of look_back_period_s where that is shorter."
     )
     panic_threshold: float = Field(
         2.0, gt=1, description="A burst: the short window's arrival rate at least this many "
@@ -127,7 +129,7 @@ class AutoscalingPolicyConfig(BaseModel):
         if self.standby_replicas >= self.max_replicas:
             raise ValueError(f"standby_replicas: {self.standby_replicas} leaves no active replica "
                              f"within max_replicas ({self.max_replicas})")
-        if self.panic_window_s >= self.look_back_period_s:
+        if self.panic_window_s is not None and self.panic_window_s >= self.look_back_period_s:
             raise ValueError(f"panic_window_s: {self.panic_window_s} must be below "
                              f"look_back_period_s ({self.look_back_period_s})")
         if self.look_back_period_s <= self.metrics_interval_s:
@@ -137,7 +139,10 @@ class AutoscalingPolicyConfig(BaseModel):
 
     def policy_kwargs(self) -> dict[str, Any]:
         """``QueueDepthPolicy``'s constructor arguments."""
-        return {name: getattr(self, name) for name in POLICY_FIELDS}
+        kwargs = {name: getattr(self, name) for name in POLICY_FIELDS}
+        if self.panic_window_s is None:
+            kwargs["panic_window_s"] = min(DEFAULT_PANIC_WINDOW_S, self.look_back_period_s / 2)
+        return kwargs
 
     def serve_autoscaling_config(self) -> dict[str, Any]:
         """The Worker deployment's ``autoscaling_config`` (``ray.serve.config.AutoscalingConfig``

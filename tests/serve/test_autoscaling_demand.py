@@ -211,3 +211,13 @@ def test_serve_default_policy_is_selectable_for_comparison():
     with pytest.raises(ValueError, match="policy: Input should be 'queue_depth' or "
                                          "'serve_default'"):
         load_policy({"policy": "knative"})
+
+
+def test_the_panic_window_defaults_below_a_short_look_back():
+    fast = load_policy({"look_back_period_s": 2, "metrics_interval_s": 0.5})
+    assert fast.policy_kwargs()["panic_window_s"] == 1.0  # half of the look-back
+    assert load_policy({}).policy_kwargs()["panic_window_s"] == 5.0  # look-back 10 s
+    assert load_policy({"look_back_period_s": 30}).policy_kwargs()["panic_window_s"] == 6.0
+    with pytest.raises(ValueError, match="panic_window_s: 3.0 must be below "
+                                         "look_back_period_s"):
+        load_policy({"look_back_period_s": 2, "metrics_interval_s": 0.5, "panic_window_s": 3})
