@@ -18,10 +18,11 @@ machine: ``flock /tmp/pagedserve-ray.lock .venv/bin/python load_tests/start_time
 ``--engine-only`` builds the engine in this process instead (no Ray): its phases and the first
 and second request's time to first token, to see whether a warm-up would pay.
 
-The settings are the README's (``serve run`` defaults: threads) but for ``max_num_seqs`` (2 by
-default here), which only makes a queue build so that the policy scales, and the Workers' CPU
-reservation (``--worker-num-cpus``, 0.5): with build_app's fit (to ``min_replicas`` Workers),
-a second Worker is never placed on a 2-core machine.
+The settings are the README's (``serve run`` defaults: threads, CPU reservations as
+``build_app`` fits them to ``max_replicas`` Workers) but for ``max_num_seqs`` (2 by default
+here), which only makes a queue build so that the policy scales. ``serve run`` runs in its own
+session; every process left in that session (Ray's GCS, raylet, workers, HAProxy) is killed when
+the measurement ends, fails, or this script gets SIGTERM (``timeout``).
 """
 
 from __future__ import annotations
@@ -74,14 +75,40 @@ def start_app(model: str | None, policy_file: Path, max_num_seqs: int, worker_cp
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def session_pids(sid: int) -> list[int]:
+    """The processes of session ``sid`` (``serve run`` and what it started, Ray's included:
+    Ray does not start new sessions)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:  # field 6: session
+            pids.append(int(stat.parent.name))
+    return pids
+
+
 def stop_app(proc: subprocess.Popen[bytes]) -> None:
+    """SIGINT to ``serve run`` (it shuts Serve and Ray down), then SIGKILL to whatever of its
+    session is left after 60 s."""
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGINT)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            pass
+    for _ in range(3):
+        left = [pid for pid in session_pids(proc.pid) if pid != os.getpid()]
+        if not left:
+            break
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(1)
+    proc.poll()
 
 
 def wait_for(check, timeout_s: float, what: str, proc: subprocess.Popen[bytes] | None = None):
@@ -157,12 +184,29 @@ def controller_events(logs: Path, new_replica: str) -> dict[str, float]:
     return events
 
 
-def replica_phases(replica: str) -> dict:
+def gcs_address(proc: subprocess.Popen[bytes]) -> str:
+    """The GCS address of the cluster ``serve run`` started (its processes' ``--gcs-address``)."""
+    for pid in session_pids(proc.pid):
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for arg in args:
+            if arg.startswith(b"--gcs-address="):
+                return arg.split(b"=", 1)[1].decode()
+    raise RuntimeError("no --gcs-address among serve run's processes")
+
+
+def replica_phases(replica: str, address: str) -> dict:
+    from serve_app.ingress import stay_on_loopback
+
+    stay_on_loopback(os.environ)  # as serve run: else Ray dials the machine's external address
+    os.environ.setdefault("RAY_AUTH_MODE", "token")  # serve run's cluster wants its token
     import ray
     from ray import serve
 
     if not ray.is_initialized():
-        ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     handle = serve.get_deployment_handle("Worker", app_name="default")
     return handle.start_phases.remote(target_replica=replica).result(timeout_s=60)
 
@@ -206,7 +250,7 @@ def measure_serve(name: str, max_num_seqs: int, worker_cpus: float, streams: int
                        timeout_s, "a token from a second Worker", proc)[0]
         first_token = load.first_token[new]
         load.stop()
-        phases = replica_phases(new)
+        phases = replica_phases(new, gcs_address(proc))
         events = controller_events(logs_dir(), new)
         return {"model": name, "mode": "serve run", "new_replica": new,
                 "breakdown": breakdown(events, phases, first_token),
@@ -224,16 +268,22 @@ def measure_engine(name: str) -> dict:
     """The engine built here as a Worker builds it; its phases, and the first and second
     request's time to first token (greedy, 16-token prompt)."""
     import asyncio
+    import importlib.util
 
     t0 = time.perf_counter()
     from engine.sampling_params import SamplingParams
-    from serve_app.config import AppConfig
-    from serve_app.worker import build_engine
+    if importlib.util.find_spec("ray") is not None:
+        from serve_app.config import AppConfig
+        from serve_app.worker import build_engine
+    else:  # a GPU image without Ray (gpu_check): the engine as a GPU Worker builds it
+        from engine.async_engine import AsyncEngine
     imports = time.perf_counter() - t0
     model = model_path(name)
-    cfg = AppConfig.model_validate({"model": model} if model else {})
     t1 = time.perf_counter()
-    engine = build_engine(cfg)
+    if importlib.util.find_spec("ray") is not None:
+        engine = build_engine(AppConfig.model_validate({"model": model} if model else {}))
+    else:
+        engine = AsyncEngine(**({"model": model} if model else {}))
     build = time.perf_counter() - t1
 
     async def ttft(i: int) -> float:
@@ -245,7 +295,8 @@ def measure_engine(name: str) -> dict:
 
     first = [round(asyncio.run(ttft(i)), 4) for i in range(3)]
     engine.shutdown()
-    return {"model": name, "mode": "engine", "imports": round(imports, 3),
+    return {"model": name, "mode": "engine", "device": str(engine.engine.device),
+            "imports": round(imports, 3),
             "build": round(build, 3), "engine": engine.engine.start_clock.phases,
             "ttft_first_second_third": first}
 
@@ -257,22 +308,22 @@ def main() -> int:
     ap.add_argument("--engine-only", action="store_true",
                     help="build the engine in this process (no Ray)")
     ap.add_argument("--max-num-seqs", type=int, default=2)
-    ap.add_argument("--worker-num-cpus", type=float, default=0.5,
-                    help="the Workers' CPU reservation (0: the app's own). build_app fits the "
-                    "reservations to min_replicas Workers, so with its default (1 CPU) a second "
-                    "Worker is never placed on a 2-core machine")
+    ap.add_argument("--worker-num-cpus", type=float, default=0,
+                    help="the Workers' CPU reservation (0: the app's own, fitted by build_app)")
     ap.add_argument("--streams", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--timeout", type=float, default=300)
     args = ap.parse_args()
+    # timeout(1)'s SIGTERM unwinds through measure_serve's finally, which stops serve run
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rc = 0
     for name in args.models.split(","):
         try:
             result = (measure_engine(name) if args.engine_only else
                       measure_serve(name, args.max_num_seqs, args.worker_num_cpus,
                                     args.streams, args.max_tokens, args.timeout))
-        except (RuntimeError, TimeoutError) as exc:
-            result, rc = {"model": name, "error": str(exc)}, 1
+        except Exception as exc:  # noqa: BLE001 - one model's failure; the next still runs
+            result, rc = {"model": name, "error": f"{type(exc).__name__}: {exc}"}, 1
         print(json.dumps(result), flush=True)
     return rc
 
