@@ -23,10 +23,11 @@ reports of the short *panic window* (``panic_window_s``) and Serve's average ove
 * ``arrivals``: requests per second accepted by the Routers (the leading signal).
 
 Capacity (``Capacity``): requests per second one replica finishes per unit of usage, learnt from
-``finished / usage``; the estimate kept is the one taken at the highest per-replica usage seen in
-the last ``CAPACITY_MEMORY_S`` (a lightly loaded replica finishes requests faster than a full
-one, so the fullest observation is the safest). ``mu = capacity * max_kv_usage`` is what a
-replica serves at the usage bound. Until a first observation only the queue rules apply.
+``finished / usage`` in steady states (arrivals within 20% of completions); the estimate kept is
+the one taken at the highest per-replica usage in the last ``CAPACITY_MEMORY_S`` (a lightly
+loaded replica finishes requests faster than a full one, so the fullest reading is the safest).
+``mu = capacity * max_kv_usage`` is what a replica serves at the usage bound. Until a first
+reading only the queue and usage rules apply.
 
 The rule, with ``q = target_queue_per_replica``, ``u = max_kv_usage``, ``d =
 downscale_threshold``, ``S = replica_start_s``, ``n`` replicas running:
@@ -36,8 +37,10 @@ downscale_threshold``, ``S = replica_start_s``, ``n`` replicas running:
   ``ceil(arrivals / mu)``; and the backlog rule ``ceil((arrivals + backlog / S) / capacity)``
   where ``backlog = queue + max(0, arrivals - n * capacity) * S`` is what will wait when the new
   replicas are up, to be cleared within one more start time. One step, not 1 -> 2 -> 4;
-* **burst**: while the panic window's arrivals are ``panic_threshold`` times the stable
-  window's, or the answer is *up*, and for one stable window after, nothing scales down;
+* **burst**: the panic window's arrivals at least ``panic_threshold`` times their average over
+  ``STABLE_WINDOW_S`` (Knative's 60 s), at least half of ``mu``, and 3 standard deviations of a
+  Poisson count above that average. During a burst or an *up*, and for one look-back period
+  after, nothing scales down;
 * **down**, outside a burst, to the largest of the queue and usage rules at ``d`` times their
   bounds, from the latest reports and the window, and ``ceil(arrivals / (d * mu))`` from the
   window: the rest hold the load with headroom. Serve's ``downscale_delay_s`` then asks for an
@@ -47,11 +50,16 @@ downscale_threshold``, ``S = replica_start_s``, ``n`` replicas running:
 * **zero** when ``min_replicas`` is 0 and nothing arrived, waited or ran, now or in the window;
 * **hold** otherwise, and no scale-down while replicas start (their reports are missing).
 
-The answer adds ``standby_replicas`` warm replicas to what the load needs: started and loaded,
-the Router sends them nothing until every active replica is full (``WorkerRequestRouter``).
+**Standby**: for ``STANDBY_MEMORY_S`` after a burst, the answer is at least the load in replicas
+at full usage (the larger of the usage and ``arrivals / capacity``) plus ``standby_replicas``:
+that much capacity stays warm and idle. The Router sends an idle replica kept as standby nothing
+until every active one is full (``WorkerRequestRouter``), so a burst is served at once. Smooth
+traffic keeps none.
 
 This module is pickled by value into Serve's controller. Of ``serve_app`` it imports only
-``serve_app.autoscaling_estimators`` (the standard library alone), by reference.
+``serve_app.autoscaling_signals`` (what the policy reads) and
+``serve_app.autoscaling_estimators`` (what it learns), both the standard library alone, by
+reference.
 """
 
 from __future__ import annotations
@@ -61,20 +69,27 @@ import math
 import time
 from typing import Any
 
-from serve_app.autoscaling_estimators import Capacity, Trend
+from serve_app.autoscaling_estimators import Baseline, Capacity, Trend
+from serve_app.autoscaling_signals import (  # noqa: F401  (the names, for the Worker)
+    DEMAND_ARRIVALS,
+    DEMAND_PROMPT_TPS,
+    DEMAND_WAITING,
+    FINISHED_PER_S,
+    KV_USAGE,
+    RUNNING,
+    SLOT_USAGE,
+    TOKENS_PER_S,
+    WAITING,
+    Load,
+    ceil_,
+)
 
 logger = logging.getLogger("ray.serve")
 
-# Metric names reported by Worker.record_autoscaling_stats().
-WAITING, RUNNING, KV_USAGE, SLOT_USAGE, TOKENS_PER_S = (
-    "num_waiting", "num_running", "kv_cache_usage", "seq_slot_usage", "output_tokens_per_s")
-FINISHED_PER_S = "finished_per_s"  # requests finished per second on the replica
-# The Routers' demand, forwarded by every Worker (each reports the same sums over the Routers'
-# fresh reports, so the policy takes the largest report, not the sum over replicas).
-DEMAND_ARRIVALS, DEMAND_PROMPT_TPS, DEMAND_WAITING = (
-    "demand_arrivals_per_s", "demand_prompt_tokens_per_s", "demand_router_waiting")
 STATE_KEY = "queue_depth_policy"  # our entry in Serve's policy_state
 BURST_FLOOR_PER_S = 0.5  # panic-window arrivals below this never make a burst
+STANDBY_MEMORY_S = 900.0  # standby replicas are kept this long after the last burst
+STABLE_WINDOW_S = 60.0  # a burst is measured against the arrival rate's average over this
 
 
 class QueueDepthPolicy:
@@ -103,7 +118,8 @@ class QueueDepthPolicy:
         self.panic_threshold, self.standby = float(panic_threshold), int(standby_replicas)
         self.capacity = Capacity()
         self.trend = Trend(trend_window_s) if predictive_floor == "trend" else None
-        self._burst_until = -math.inf
+        self._burst_until = self._last_burst = -math.inf
+        self._baseline = Baseline(STABLE_WINDOW_S)
         self._last_decision: tuple[str, int] = ("", -1)
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
@@ -138,13 +154,22 @@ class QueueDepthPolicy:
         arrivals = short.arrivals  # the panic window: a 2 s rate is mostly Poisson noise
         if self.trend is not None:
             self.trend.add(now, window.arrivals)
+        baseline = self._baseline.update(now, window.arrivals)
+        # a burst: arrivals at panic_threshold x the baseline, at least half of what one
+        # replica serves (once that is known), and beyond Poisson noise: an excess over the
+        # baseline of 3 standard deviations of the panic window's count
+        floor = 0.5 * self._replicas_rate() if self.capacity.per_usage else BURST_FLOOR_PER_S
+        noise = 3.0 * math.sqrt(max(baseline, 0.0) / self.panic_s)
+        bursting = short.arrivals >= max(self.panic_threshold * baseline, floor,
+                                         baseline + noise)
+        if bursting:
+            self._last_burst = now
         need = max(self._needed_now(load, arrivals), self._needed_now(short, arrivals),
                    self._floor())
-        bursting = short.arrivals >= max(self.panic_threshold * window.arrivals,
-                                         BURST_FLOOR_PER_S)
-        if need + self.standby > current:
+        need = self._with_standby(need, max(load.usage, short.usage), arrivals, now)
+        if need > current:
             self._burst_until = now + window.look_back_s
-            return "up", need + self.standby
+            return "up", need
         if bursting:
             self._burst_until = now + window.look_back_s
         if window.replicas < current:
@@ -155,116 +180,49 @@ class QueueDepthPolicy:
             return "hold", current
         down = max(self._needed_below_band(load), self._needed_below_band(window),
                    self._replicas_for_rate(window.arrivals, self.threshold), self._floor(), 1)
-        if down + self.standby < current:
-            return "down", down + self.standby
+        down = self._with_standby(down, max(load.usage, window.usage), window.arrivals, now)
+        if down < current:
+            return "down", down
         return "hold", current
+
+    def _with_standby(self, need: int, usage: float, arrivals: float, now: float) -> int:
+        """``need`` replicas, or more so that ``standby_replicas`` replicas' worth of capacity
+        stays idle beside the load (the load in replicas at full usage, plus the standby)
+        while the traffic is bursty: a burst seen in the last ``STANDBY_MEMORY_S``."""
+        if not self.standby or now - self._last_burst > STANDBY_MEMORY_S:
+            return need
+        full = self.capacity.per_usage
+        load = max(usage, arrivals / full if full else 0.0)
+        return max(need, ceil_(load + self.standby))
 
     def _needed_now(self, load: Load, arrivals: float) -> int:
         """Replicas the load needs now and once the replicas it starts are up."""
-        need = max(load.replicas_for_queue(self.target_queue), _ceil(load.usage / self.max_kv),
+        need = max(load.replicas_for_queue(self.target_queue), ceil_(load.usage / self.max_kv),
                    self._replicas_for_rate(arrivals, 1.0))
         full = self.capacity.per_usage
         if full and arrivals > 0:  # the backlog that builds while new replicas start
             growth = max(0.0, arrivals - load.replicas * full)
             backlog = load.queue + growth * self.start_s
-            need = max(need, _ceil((arrivals + backlog / max(self.start_s, 1.0)) / full))
+            need = max(need, ceil_((arrivals + backlog / max(self.start_s, 1.0)) / full))
         return need
 
     def _needed_below_band(self, load: Load) -> int:
         return max(load.replicas_for_queue(self.threshold * self.target_queue),
-                   _ceil(load.usage / (self.threshold * self.max_kv)))
+                   ceil_(load.usage / (self.threshold * self.max_kv)))
 
     def _replicas_for_rate(self, arrivals: float, fraction: float) -> int:
         """Replicas serving ``arrivals`` requests/s, each at ``fraction`` of the usage bound."""
         full = self.capacity.per_usage
-        return _ceil(arrivals / (full * self.max_kv * fraction)) if full and arrivals > 0 else 0
+        return ceil_(arrivals / (full * self.max_kv * fraction)) if full and arrivals > 0 else 0
+
+    def _replicas_rate(self) -> float:
+        """Requests/s one replica serves at the usage bound (0 until capacity is known)."""
+        return (self.capacity.per_usage or 0.0) * self.max_kv
 
     def _floor(self) -> int:
         if self.trend is None:
             return 0
         return self._replicas_for_rate(self.trend.predict(self.start_s), 1.0)
-
-
-class Load:
-    """A deployment's load over its running replicas: the look-back averages, or each
-    replica's reports since a time (``since=inf``: its last report only)."""
-
-    __slots__ = ("queue", "running", "usage", "tokens_per_s", "finished", "arrivals",
-                 "prompt_tokens_per_s", "replicas", "look_back_s")
-
-    def __init__(self, queue: float = 0.0, running: float = 0.0, usage: float = 0.0,
-                 tokens_per_s: float = 0.0, finished: float = 0.0, arrivals: float = 0.0,
-                 prompt_tokens_per_s: float = 0.0, replicas: int = 0,
-                 look_back_s: float = 30.0) -> None:
-        self.queue, self.running, self.usage = queue, running, usage
-        self.tokens_per_s, self.finished, self.arrivals = tokens_per_s, finished, arrivals
-        self.prompt_tokens_per_s, self.replicas = prompt_tokens_per_s, replicas
-        self.look_back_s = look_back_s
-
-    @classmethod
-    def from_context(cls, ctx: Any, since: float | None = None) -> Load:
-        metrics = (_recent_means(ctx.raw_metrics, since) if since is not None else None) or \
-            ctx.aggregated_metrics or {}
-        running_ids = set(ctx.running_replicas or ())
-
-        def per_replica(name: str) -> dict[Any, float]:
-            return {rid: v for rid, v in (metrics.get(name) or {}).items() if rid in running_ids}
-
-        def total(name: str) -> float:
-            return float(sum(per_replica(name).values()))
-
-        def largest(name: str) -> float:  # the same forwarded sums on every replica
-            return float(max(per_replica(name).values(), default=0.0))
-
-        kv, slots = per_replica(KV_USAGE), per_replica(SLOT_USAGE)
-        usage = sum(max(v, slots.get(rid, 0.0)) for rid, v in kv.items())
-        # requests the Routers hold: their own count includes the calls queued at their
-        # handles (Serve's total_queued_requests), so the larger of the two, not the sum
-        queued = max(float(ctx.total_queued_requests or 0.0), largest(DEMAND_WAITING))
-        config = getattr(ctx, "config", None)
-        return cls(queue=total(WAITING) + queued, running=total(RUNNING), usage=usage,
-                   tokens_per_s=total(TOKENS_PER_S), finished=total(FINISHED_PER_S),
-                   arrivals=largest(DEMAND_ARRIVALS),
-                   prompt_tokens_per_s=largest(DEMAND_PROMPT_TPS),
-                   replicas=ctx.current_num_replicas,
-                   look_back_s=float(getattr(config, "look_back_period_s", 30.0) or 30.0))
-
-    def idle(self) -> bool:
-        return self.queue <= 0 and self.running <= 0 and self.arrivals <= 0
-
-    def replicas_for_queue(self, queue_per_replica: float) -> int:
-        """Fewest replicas leaving at most ``queue_per_replica`` waiting on each, when each runs
-        a batch as large as the running replicas do now; 0 when nothing waits."""
-        if self.queue <= 0:
-            return 0
-        batch = self.running / self.replicas if self.replicas else 0.0
-        return _ceil((self.running + self.queue) / (batch + queue_per_replica))
-
-    def as_dict(self) -> dict[str, float]:
-        return {k: round(float(getattr(self, k)), 3) for k in self.__slots__}
-
-    def __repr__(self) -> str:
-        return (f"queue={self.queue:.1f} running={self.running:.1f} usage={self.usage:.2f} "
-                f"arrivals={self.arrivals:.2f}/s finished={self.finished:.2f}/s "
-                f"on {self.replicas} replicas")
-
-
-def _recent_means(raw: dict[str, dict[Any, Any]] | None, since: float,
-                  ) -> dict[str, dict[Any, float]]:
-    """Per metric and replica, the mean of the reports at or after ``since`` (the last report
-    alone when none is that recent, or when ``since`` is infinite)."""
-    out: dict[str, dict[Any, float]] = {}
-    for name, per_replica in (raw or {}).items():
-        out[name] = {}
-        for rid, series in per_replica.items():
-            if series:
-                recent = [p.value for p in series if p.timestamp >= since] or [series[-1].value]
-                out[name][rid] = sum(recent) / len(recent)
-    return out
-
-
-def _ceil(x: float) -> int:
-    return math.ceil(x - 1e-9)  # 2.0000000001 from float sums is 2, not 3
 
 
 def _check(ok: bool, field: str, rule: str, value: Any) -> None:

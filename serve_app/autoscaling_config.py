@@ -86,9 +86,10 @@ class AutoscalingPolicyConfig(BaseModel):
         "look_back_period_s after it."
     )
     standby_replicas: int = Field(
-        0, ge=0, description="Warm Workers kept beyond what the load needs: started and loaded, "
-        "sent no request until every other Worker is full, so a burst is served at once while "
-        "their replacements start."
+        0, ge=0, description="Warm capacity, in replicas, kept idle beside the load for 15 "
+        "minutes after each burst: started and loaded Workers the Router sends nothing until "
+        "every other Worker is full, so a burst is served at once while replacements start. "
+        "Smooth traffic keeps none."
     )
     predictive_floor: Literal["none", "trend"] = Field(
         "none", description="'trend': never fewer replicas than the arrival rate's linear trend "

@@ -4,6 +4,7 @@ itself is pickled by value and refers to these classes by reference)."""
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Protocol
 
@@ -80,3 +81,20 @@ class Trend:
         slope = sum((t - mt) * (r - mr) for t, r in self._points) / var if var else 0.0
         t_last, r_last = self._points[-1]
         return max(r_last, mr + slope * (t_last + ahead_s - mt))
+
+
+class Baseline:
+    """The arrival rate averaged over a long window (an exponential moving average with that
+    time constant): what a burst is measured against, as Knative's 60 s stable window."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s, self.rate = window_s, 0.0
+        self._at: float | None = None
+
+    def update(self, now: float, rate: float) -> float:
+        if self._at is None:
+            self.rate = rate
+        elif now > self._at:
+            self.rate += (rate - self.rate) * (1.0 - math.exp(-(now - self._at) / self.window_s))
+        self._at = now
+        return self.rate

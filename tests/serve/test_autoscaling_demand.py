@@ -116,18 +116,52 @@ def test_a_worker_lost_mid_burst_is_not_read_as_idleness():
     assert policy.decide(growing, growing, survivors, 3, 1, 6.0) == ("up", 4)
 
 
-def test_standby_replicas_are_kept_beyond_what_the_load_needs():
+def test_standby_capacity_is_kept_while_traffic_is_bursty():
     policy = new_policy(standby_replicas=1)
-    learn(policy, current=2)
-    assert policy.capacity.per_usage == pytest.approx(5.0)
-    quiet = load(2, arrivals=1.5, usage=0.3, finished=1.5, running=18)
-    assert policy.decide(quiet, quiet, quiet, 2, 1, 100.0) == ("hold", 2)  # 1 active + 1
-    three, one = (load(n, arrivals=1.5, usage=0.3, finished=1.5, running=18) for n in (3, 1))
-    assert policy.decide(three, three, three, 3, 1, 100.0) == ("down", 2)
-    assert policy.decide(one, one, one, 1, 1, 100.0) == ("up", 2)
-    # the standby was promoted (it runs requests now): the load needs 2, plus a new standby
-    promoted = load(2, arrivals=6.0, usage=1.2, finished=6.0, running=72)
-    assert policy.decide(promoted, promoted, quiet, 2, 1, 101.0) == ("up", 3)
+    learn(policy)
+    quiet = load(1, arrivals=1.5, usage=0.3, finished=1.5, running=18)
+    assert policy.decide(quiet, quiet, quiet, 1, 1, 1.0) == ("hold", 1)  # smooth: no standby
+    # a burst, 6/s against a 1.5/s baseline: 2 replicas for it (rate ceil(6 / 4); backlog
+    # (6 - 5) * 30 s cleared in 30 s more: ceil(7 / 5)), and one replica's worth of idle
+    # capacity beside its 1.2 replicas at full usage: ceil(6 / 5 + 1) = 3
+    burst = load(1, arrivals=6.0, usage=0.3, finished=1.5, running=18)
+    assert policy.decide(burst, burst, quiet, 1, 1, 2.0) == ("up", 3)
+    # after it, back to the quiet load: one active and the standby, ceil(0.3 + 1) = 2
+    after = load(3, arrivals=1.5, usage=0.3, finished=1.5, running=18)
+    assert policy.decide(after, after, after, 3, 1, 100.0) == ("down", 2)
+    two = load(2, arrivals=1.5, usage=0.3, finished=1.5, running=18)
+    assert policy.decide(two, two, two, 2, 1, 800.0) == ("hold", 2)
+    # fifteen minutes after the last burst the traffic counts as smooth again
+    assert policy.decide(two, two, two, 2, 1, 2.0 + 901.0) == ("down", 1)
+    # a policy without standby never keeps the second replica
+    plain = new_policy()
+    learn(plain)
+    assert plain.decide(burst, burst, quiet, 1, 1, 2.0) == ("up", 2)
+    assert plain.decide(after, after, after, 3, 1, 100.0) == ("down", 1)
+
+
+def test_a_burst_is_measured_against_a_minute_not_the_look_back():
+    policy = new_policy(standby_replicas=1)
+    learn(policy)  # 1.5/s
+    current = 1
+    for t in range(1, 21):  # 6/s, and Serve's look-back average has already caught up
+        burst = load(current, arrivals=6.0, usage=1.2, finished=6.0, running=72)
+        current = policy.decide(burst, burst, burst, current, 1, float(t))[1]
+    # against the 60 s average the rise is still a burst, so after it the standby stays
+    after = load(current, arrivals=1.5, usage=0.3, finished=1.5, running=18)
+    assert (current, policy.decide(after, after, after, current, 1, 100.0)) == (3, ("down", 2))
+
+
+def test_poisson_noise_on_a_quiet_fleet_is_not_a_burst():
+    policy = new_policy(standby_replicas=1)  # capacity not learnt yet: no half-replica floor
+    calm = load(1, arrivals=0.5, usage=0.1, running=2)
+    assert policy.decide(calm, calm, calm, 1, 1, 0.0) == ("hold", 1)
+    # 1.2/s over the 6 s panic window against 0.5/s: over 2x, but 7 arrivals where 3 were
+    # expected is within 3 standard deviations (0.5 + 3 * sqrt(0.5 / 6) = 1.37/s)
+    noisy = load(1, arrivals=1.2, usage=0.1, running=2)
+    assert policy.decide(noisy, noisy, calm, 1, 1, 1.0) == ("hold", 1)
+    burst = load(1, arrivals=2.0, usage=0.1, running=2)  # beyond the noise: standby kept
+    assert policy.decide(burst, burst, calm, 1, 1, 2.0) == ("up", 2)
 
 
 def test_the_trend_floor_leads_a_slow_ramp():
