@@ -15,7 +15,7 @@ decides the result.
    Worker's capacity and ``--bursts`` bursts at ``--burst-load`` of it (arrivals Poisson,
    output lengths spread around ``--max-tokens``), the same for every policy.
 3. **Replay** it once per policy: the project's (``latency_first``'s rule, without and with its
-   standby Worker, started before the trace) and Ray Serve's default (``policy:
+   standby capacity, which it keeps after a first burst) and Ray Serve's default (``policy:
    serve_default``, target 2 ongoing calls), with the same bounds, delays and windows. Every request streams; TTFT is measured at the client; a 429 or an
    error counts against the SLO. Replica-seconds: every Worker replica Serve reports, starting
    and stopping ones included, sampled each second until the last request ends. The start
@@ -220,8 +220,8 @@ def run_policy(name: str, policy: dict[str, Any], args: argparse.Namespace,
             calib = calibrate(app.url, args.max_tokens, WORKER["max_num_seqs"])
             wait_for(lambda: app.replica_states("Worker") == {"RUNNING": 1}, 120, 1.0)
             return {"policy": name}, calib
-        want = policy.get("standby_replicas", 0) + policy["min_replicas"]
-        wait_for(lambda: app.replica_states("Worker") == {"RUNNING": want}, 300, 1.0)
+        wait_for(lambda: app.replica_states("Worker") == {"RUNNING": policy["min_replicas"]},
+                 300, 1.0)
         meter = ReplicaMeter(app)
         meter.start()
         results = asyncio.run(replay(app.url, trace))
