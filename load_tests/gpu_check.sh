@@ -3,7 +3,8 @@
 # torch, triton and transformers (nothing is installed):  bash load_tests/gpu_check.sh
 #   load_tests/gpu_check.py   preflight, kernel tests on CUDA, engine parity (Triton vs the torch
 #                             references, CUDA graphs vs eager, HF teacher-forced), KV sizing, a
-#                             CUDA-graph-captured NCCL all_reduce, decode ms/step against the HBM
+#                             CUDA-graph-captured NCCL all_reduce, a replica's start time (imports,
+#                             engine phases with CUDA graphs, first TTFTs), decode ms/step against the HBM
 #                             floor and tokens/s against HF (9 minutes at most)
 #   load_tests/kernel_bench.py  kernel GB/s against a copy of the same bytes (1 minute at most)
 # Everything lands in $OUT (default /tmp/gpu_check): summary.json as each step ends, logs, the

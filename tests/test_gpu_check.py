@@ -23,13 +23,19 @@ def test_gpu_check_dry_run(tmp_path):
     steps = {r["step"]: r for r in json.loads((tmp_path / "summary.json").read_text())}
     assert {k: v["status"] for k, v in steps.items()} == {
         "preflight": "PASS", "kernel_tests": "SKIP", "engine": "PASS", "nccl_graph": "SKIP",
-        "performance": "PASS"}
+        "start_time": "PASS", "performance": "PASS"}
     assert "CUDA" in steps["kernel_tests"]["reason"]
     engine = steps["engine"]
     assert engine["kernels_vs_reference"]["parted"] == []  # float32: no near ties decided apart
     assert engine["kernels_vs_reference"]["max_logprob_diff"] < 1e-3
     assert engine["hf_teacher_forced"]["top1_agreement"] >= 0.95
     assert engine["kv"]["num_blocks"] > 0 and engine["kv"]["weight_bytes"] > 0
+    start = steps["start_time"]  # a fresh interpreter's imports, engine phases and TTFTs
+    assert start["model"] == "tiny" and start["device"] == "cpu"
+    assert list(start["engine"]) == ["engine_setup", "model_init", "weight_load", "pack",
+                                     "warm_up", "kv_alloc", "cuda_graphs"]
+    assert start["imports"] > 0 and start["build"] > 0 and len(start["ttft_first_second_third"]) == 3
+    assert start["seconds_to_ready"] == round(start["imports"] + start["build"], 3)
     perf = steps["performance"]
     assert [(r["batch"], r["context"]) for r in perf["decode"]] == [(1, 64), (4, 64)]
     assert all(r["ms_per_step"] > 0 and r["hbm_floor_ms"] > 0 for r in perf["decode"])
