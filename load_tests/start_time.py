@@ -72,7 +72,22 @@ def start_app(model: str | None, policy_file: Path, max_num_seqs: int, worker_cp
         args.append(f"model={model}")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.Popen(args, cwd=REPO, env=env, stdout=log.open("wb"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=_die_with_parent)
+
+
+def _die_with_parent() -> None:
+    """serve run gets SIGKILL when this script dies, however it dies (Ray's own processes
+    share serve run's fate the same way)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _exit_on_sigterm() -> None:
+    """timeout(1)'s SIGTERM unwinds through measure_serve's finally, which stops serve run
+    (set again after ray.init, whose core installs its own handler)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
 def session_pids(sid: int) -> list[int]:
@@ -207,6 +222,7 @@ def replica_phases(replica: str, address: str) -> dict:
 
     if not ray.is_initialized():
         ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+        _exit_on_sigterm()
     handle = serve.get_deployment_handle("Worker", app_name="default")
     return handle.start_phases.remote(target_replica=replica).result(timeout_s=60)
 
@@ -259,6 +275,9 @@ def measure_serve(name: str, max_num_seqs: int, worker_cpus: float, streams: int
         import ray
         if ray.is_initialized():
             ray.shutdown()
+            from ray.serve import context
+            context._set_global_client(None)  # the next model's cluster is another
+            _exit_on_sigterm()
         stop_app(proc)
         print(f"serve run log: {tmp / 'serve_run.log'}", file=sys.stderr)
 
@@ -314,8 +333,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--timeout", type=float, default=300)
     args = ap.parse_args()
-    # timeout(1)'s SIGTERM unwinds through measure_serve's finally, which stops serve run
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    _exit_on_sigterm()
     rc = 0
     for name in args.models.split(","):
         try:
