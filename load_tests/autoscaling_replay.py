@@ -143,6 +143,20 @@ def run_concurrently(url: str, streams: int, seconds: float, max_tokens: int,
     return len(done) / (time.monotonic() - began), [r[0] for r in done if r[0] is not None]
 
 
+def wait_serving(url: str, timeout_s: float = 300.0) -> None:
+    """Until a completion answers 200: Serve reports the app running a moment before the
+    Router has learnt the model from a Worker (503 until then)."""
+    def ok() -> bool:
+        try:
+            return httpx.post(f"{url}/v1/completions", timeout=60, json={
+                "prompt": PROMPT, "max_tokens": 1}).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    if wait_for(ok, timeout_s, 1.0) is None:
+        raise RuntimeError(f"the app at {url} answered no completion within {timeout_s:.0f} s")
+
+
 # ---- calibration and trace -----------------------------------------------------------------
 
 def model_path(name: str) -> str:
@@ -215,6 +229,7 @@ def run_policy(name: str, policy: dict[str, Any], args: argparse.Namespace,
     model = {} if args.model == "default" else {"model": model_path(args.model)}
     app = ReplayApp({**WORKER, **model, "autoscaling": policy}, num_workers=1)
     try:
+        wait_serving(app.url)
         calib = None
         if trace is None:
             calib = calibrate(app.url, args.max_tokens, WORKER["max_num_seqs"])
