@@ -36,7 +36,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help=f"{', '.join(TRACES)} or csv:<path> (arrival_s,prompt_tokens,output_tokens)")
     p.add_argument("--duration-s", type=float, default=1800.0, help="simulated seconds per trace")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
-    p.add_argument("--startup-s", type=float, nargs="+", default=[15.0, 30.0],
+    p.add_argument("--startup-s", type=float, nargs="+", default=[10.0, 30.0],
                    help="replica start times to run (decision to serving)")
     p.add_argument("--policy", default="latency_first", help="bundled name or policy file")
     p.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
