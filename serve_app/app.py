@@ -96,12 +96,17 @@ FAST_PATH_ENV = {
 }
 
 
+# Also read in each replica process: the largest message a replica's gRPC channel to another
+# replica receives. Serve's default, gRPC's 4 MiB, refused a Worker's model_info for a model
+# with a 151k-token vocabulary (Qwen2's tokenizer pickles to 5 MB): the Router never learnt the
+# model and answered 503 for good. Batches with prompt logprobs can be as large.
+REPLICA_ENV = {"RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(1 << 30)}
+
+
 def actor_options(cfg: AppConfig, num_cpus: float, **resources: Any) -> dict[str, Any]:
-    """``ray_actor_options`` of a replica: its resources, and the fast-path settings."""
-    opts: dict[str, Any] = {"num_cpus": num_cpus, **resources}
-    if cfg.serve_fast_path:
-        opts["runtime_env"] = {"env_vars": dict(FAST_PATH_ENV)}
-    return opts
+    """``ray_actor_options`` of a replica: its resources, and the replica settings."""
+    env = {**REPLICA_ENV, **(FAST_PATH_ENV if cfg.serve_fast_path else {})}
+    return {"num_cpus": num_cpus, **resources, "runtime_env": {"env_vars": env}}
 
 
 def worker_options(cfg: AppConfig) -> dict[str, Any]:

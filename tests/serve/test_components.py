@@ -15,7 +15,13 @@ from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 from ray.serve.schema import ServeDeploySchema
 
 import serve_app.app
-from serve_app.app import FAST_PATH_ENV, build_app, fit_reservations, worker_options
+from serve_app.app import (
+    FAST_PATH_ENV,
+    REPLICA_ENV,
+    build_app,
+    fit_reservations,
+    worker_options,
+)
 from serve_app.config import AppConfig
 from serve_app.errors import APIError
 from serve_app.ingress import local_cluster_cpus, serve_at_normal_priority, use_fast_ingress
@@ -57,10 +63,11 @@ def test_builder_accepts_cli_args():
 
 def test_worker_resources():
     cpu = worker_options(AppConfig(accelerator="cpu", worker_num_cpus=2))
-    assert cpu["ray_actor_options"] == {"num_cpus": 2.0,
-                                        "runtime_env": {"env_vars": FAST_PATH_ENV}}
+    assert cpu["ray_actor_options"] == {
+        "num_cpus": 2.0, "runtime_env": {"env_vars": {**REPLICA_ENV, **FAST_PATH_ENV}}}
     plain = worker_options(AppConfig(accelerator="cpu", serve_fast_path=False))
-    assert plain["ray_actor_options"] == {"num_cpus": 1.0}
+    assert plain["ray_actor_options"] == {"num_cpus": 1.0,
+                                          "runtime_env": {"env_vars": REPLICA_ENV}}
     assert "placement_group_bundles" not in cpu
     gpu = worker_options(AppConfig(accelerator="gpu", tensor_parallel_size=2))
     assert gpu["ray_actor_options"]["num_gpus"] == 1
