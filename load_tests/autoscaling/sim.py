@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import ray.serve.autoscaling_policy as serve_policy
@@ -33,6 +35,18 @@ from load_tests.autoscaling.traces import Trace
 
 DEP = DeploymentID(name="Worker", app_name="sim")
 RECORD_S = 1.0  # a replica records its metrics once a second (Serve records every 0.5 s)
+
+
+@contextmanager
+def serve_clock(now: Callable[[], float]) -> Iterator[None]:
+    """Serve's delay logic reads ``time.time()``: it reads ``now()`` inside the block, and the
+    real clock again after it (a clock left patched froze the delays of every later test)."""
+    saved = serve_policy.time
+    serve_policy.time = SimpleNamespace(time=now, monotonic=time.monotonic)
+    try:
+        yield
+    finally:
+        serve_policy.time = saved
 
 
 class Sim:
@@ -59,7 +73,10 @@ class Sim:
         self._cache: tuple = (None, None)
 
     def run(self, trace: Trace) -> dict:
-        serve_policy.time = SimpleNamespace(time=lambda: self.now, monotonic=time.monotonic)
+        with serve_clock(lambda: self.now):
+            return self._run(trace)
+
+    def _run(self, trace: Trace) -> dict:
         run, dt = self.run_cfg, self.run_cfg.tick_s
         pending = deque(trace)
         self._reconcile()

@@ -7,13 +7,12 @@ import math
 from collections.abc import Callable
 from types import SimpleNamespace
 
-import ray.serve.autoscaling_policy as serve_policy
 from ray.serve._private.common import ReplicaID, TimeStampedValue
 from ray.serve.autoscaling_policy import _apply_autoscaling_config
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from load_tests.autoscaling.names import KV_USAGE, METRICS, RUNNING, WAITING
-from load_tests.autoscaling.sim import DEP
+from load_tests.autoscaling.sim import DEP, serve_clock
 
 
 def context(now: float, per_replica: list[dict[str, float]], cfg: AutoscalingConfig,
@@ -43,19 +42,19 @@ def play(policy, cfg: AutoscalingConfig, load: Callable[[float, int], list[dict[
     first). Returns ``(t, target, ready)`` per tick."""
     wrapped = _apply_autoscaling_config(policy)
     clock = SimpleNamespace(now=0.0)
-    serve_policy.time = SimpleNamespace(time=lambda: clock.now)
     target = cfg.initial_replicas if cfg.initial_replicas is not None else cfg.min_replicas
     ready_at = [0.0] * target
     state: dict = {}
     out = []
-    for i in range(int(until / period) + 1):
-        clock.now = t = i * period
-        ready = sum(1 for r in ready_at if r <= t)
-        ctx = context(t, load(t, ready), cfg, target=target, state=state)
-        decision, state = wrapped(ctx)
-        target = min(max(math.ceil(decision), cfg.min_replicas), cfg.max_replicas)
-        ready_at = sorted(ready_at)[:target] + [t + start_s] * (target - len(ready_at))
-        out.append((t, target, ready))
+    with serve_clock(lambda: clock.now):
+        for i in range(int(until / period) + 1):
+            clock.now = t = i * period
+            ready = sum(1 for r in ready_at if r <= t)
+            ctx = context(t, load(t, ready), cfg, target=target, state=state)
+            decision, state = wrapped(ctx)
+            target = min(max(math.ceil(decision), cfg.min_replicas), cfg.max_replicas)
+            ready_at = sorted(ready_at)[:target] + [t + start_s] * (target - len(ready_at))
+            out.append((t, target, ready))
     return out
 
 
