@@ -70,19 +70,7 @@ import time
 from typing import Any
 
 from serve_app.autoscaling_estimators import Baseline, Capacity, Trend
-from serve_app.autoscaling_signals import (  # noqa: F401  (the names, for the Worker)
-    DEMAND_ARRIVALS,
-    DEMAND_PROMPT_TPS,
-    DEMAND_WAITING,
-    FINISHED_PER_S,
-    KV_USAGE,
-    RUNNING,
-    SLOT_USAGE,
-    TOKENS_PER_S,
-    WAITING,
-    Load,
-    ceil_,
-)
+from serve_app.autoscaling_signals import Load, ceil_
 
 logger = logging.getLogger("ray.serve")
 

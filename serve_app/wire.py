@@ -172,7 +172,7 @@ class RoutingStats(TypedDict):
 class DemandStats(TypedDict):
     """What a Worker adds to its autoscaling stats from ``serve_app.demand``: its finished
     requests per second and the Routers' demand (sums over their fresh reports, 0.0 with none;
-    the names are ``serve_app.autoscaling``'s FINISHED_PER_S and DEMAND_*)."""
+    the names are ``serve_app.autoscaling_signals``' FINISHED_PER_S and DEMAND_*)."""
 
     finished_per_s: float  # requests finished on the replica per second, over 10 s
     demand_arrivals_per_s: float  # requests the Routers accepted per second (n choices count n)

@@ -11,18 +11,17 @@ import pytest
 from ray.serve._private.common import DeploymentID, ReplicaID, TimeStampedValue
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-from serve_app.autoscaling import (
+from serve_app.autoscaling import STATE_KEY, QueueDepthPolicy
+from serve_app.autoscaling_config import load_policy
+from serve_app.autoscaling_signals import (
     DEMAND_ARRIVALS,
     DEMAND_WAITING,
     FINISHED_PER_S,
     KV_USAGE,
     RUNNING,
-    STATE_KEY,
     WAITING,
     Load,
-    QueueDepthPolicy,
 )
-from serve_app.autoscaling_config import load_policy
 
 DEP = DeploymentID(name="Worker", app_name="app")
 LOOK_BACK = 30.0

@@ -11,7 +11,12 @@ import logging
 import pytest
 
 from engine.sampling_params import SamplingParams
-from serve_app.autoscaling import DEMAND_ARRIVALS, DEMAND_PROMPT_TPS, DEMAND_WAITING, FINISHED_PER_S
+from serve_app.autoscaling_signals import (
+    DEMAND_ARRIVALS,
+    DEMAND_PROMPT_TPS,
+    DEMAND_WAITING,
+    FINISHED_PER_S,
+)
 from serve_app.batcher import EngineRequest
 from serve_app.demand import DemandBoard, DemandReporter, unrouted
 from serve_app.wire import WorkerRequest
