@@ -24,7 +24,9 @@ decides the result.
    the calibrated replica model, the measured start time.
 
 Prints one JSON line per (policy, source) with p50/p95/p99 TTFT, SLO attainment and
-replica-seconds, real and simulated side by side. Every loop is bounded.
+replica-seconds, real and simulated side by side; ``--out`` also appends them to a file (without
+a path, a new ``docs/perf/results/autoscaling_replay_<time>.jsonl``, beside the page that reports
+the replay, ``docs/perf/autoscaling.md``). Every loop is bounded.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "load_tests"))
 
+from perf_home import results_path  # noqa: E402
 from soak.cluster import APP, LocalApp, wait_for  # noqa: E402
 
 from serve_app.autoscaling_config import load_policy  # noqa: E402
@@ -281,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="replica_start_s given to QueueDepthPolicy")
     p.add_argument("--downscale-delay-s", type=float, default=20.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="", help="also append the JSON lines to this file")
+    p.add_argument("--out", nargs="?", const=results_path("autoscaling_replay"), default="",
+                   help="also append the JSON lines to this file (no path: a new file in "
+                   "docs/perf/results/)")
     args = p.parse_args(argv)
     settings = policy_settings(args)
     one = {**next(iter(settings.values())), "standby_replicas": 0, "max_replicas": 1}

@@ -8,7 +8,10 @@ of the medians, pagedserve / vLLM; ``--plot`` draws the ratios as bars.
     for isa in avx2 avx512; do
       .venv/bin/python load_tests/offline_throughput.py --backends engine,vllm \\
         --vllm-python /tmp/vllm-venv/bin/python --isa $isa --rounds 2; done | tee runs.jsonl
-    .venv/bin/python load_tests/class_table.py runs.jsonl --plot docs/cpu_classes.png
+    .venv/bin/python load_tests/class_table.py runs.jsonl --plot
+
+``--plot`` without a path redraws ``docs/perf/cpu_classes_latest.png``, the plot of
+``docs/perf/cpu_classes.md``; keep the runs beside it in ``docs/perf/results/``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import statistics
 import sys
 from collections.abc import Iterable
 from pathlib import Path
+
+from perf_home import plot_path
 
 Key = tuple[str, str, str]  # model, CPU class, dtype
 
@@ -82,7 +87,9 @@ def plot(table: list[dict[str, object]], path: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("files", nargs="*", help="JSON-lines files (default: standard input)")
-    p.add_argument("--plot", help="write a bar chart of the ratios here (PNG)")
+    p.add_argument("--plot", nargs="?", const=plot_path("cpu_classes_latest.png"),
+                   help="write a bar chart of the ratios here (PNG; no path: the page's plot, "
+                   "docs/perf/cpu_classes_latest.png)")
     args = p.parse_args()
     lines: list[str] = []
     for f in args.files or ["-"]:

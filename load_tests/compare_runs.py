@@ -9,7 +9,10 @@ and reasons, and makes the script exit 1 after printing the summary: its figures
 comparable.
 
     load_tests/serve_vs_vllm.sh "" 256 64 | tee runs.jsonl
-    .venv/bin/python load_tests/compare_runs.py runs.jsonl --plot docs/serve_vs_vllm.png
+    .venv/bin/python load_tests/compare_runs.py runs.jsonl --plot
+
+``--plot`` without a path redraws ``docs/perf/serve_vs_vllm.png`` (shown in
+``docs/perf/cpu_classes.md``); keep the runs beside it in ``docs/perf/results/``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import json
 import statistics
 import sys
 from pathlib import Path
+
+from perf_home import plot_path
 
 KEYS = ("output_throughput", "ttft_ms_p50", "ttft_ms_p50_steady", "tpot_ms_p50")
 
@@ -101,7 +106,8 @@ def plot(by: dict[str, list[dict]], out: Path, title: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("files", nargs="*", help="JSON-lines files (default: standard input)")
-    p.add_argument("--plot", type=Path, help="draw the runs into this PNG")
+    p.add_argument("--plot", type=Path, nargs="?", const=Path(plot_path("serve_vs_vllm.png")),
+                   help="draw the runs into this PNG (no path: docs/perf/serve_vs_vllm.png)")
     p.add_argument("--title", default="Each dot one run (same load); bar: median")
     p.add_argument("--ours", default="pagedserve", help="the server whose ratios are reported")
     p.add_argument("--peer", default="vllm", help="the server it is divided by")

@@ -24,6 +24,9 @@ with ``--torch-profile-steps``, lists the top torch ops of one prefill and a few
 
     python load_tests/offline_throughput.py --model-size tiny --backends engine,hf,vllm \\
         --vllm-python /tmp/vllm-venv/bin/python --profile --plot out.png
+
+``--plot`` without a path redraws ``docs/perf/offline_throughput.png``; runs worth keeping go
+to ``docs/perf/results/`` beside the page that cites them (``docs/perf/README.md``).
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from load_tests.perf_home import plot_path  # noqa: E402
 
 VOCAB = 151936
 MODEL_SHAPES = {
@@ -663,7 +668,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --profile: also list top torch ops over N decode steps")
     p.add_argument("--torch-profile-batch", type=int, default=64,
                    help="requests (256-token prompts) in the torch-profiled decode steps")
-    p.add_argument("--plot", default=None, help="write a bar chart of output tokens/s here")
+    p.add_argument("--plot", nargs="?", const=plot_path("offline_throughput.png"), default=None,
+                   help="write a bar chart of output tokens/s here (no path: "
+                   "docs/perf/offline_throughput.png)")
     p.add_argument("--quantization", choices=("int8", "fp8"), default=None,
                    help="the engine's linear weights (vLLM and HF run unquantized)")
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",

@@ -18,7 +18,11 @@ and with ``--plot`` a bar chart of the ratios. Every request must produce exactl
 how many fell short on stderr and exits 1 (no summary: the ratios would compare unequal work).
 
     .venv/bin/python load_tests/quant_bench.py --model-size 0.5b --num-prompts 64 \\
-        --vllm-python /tmp/vllm-venv/bin/python --plot docs/quant_bench.png
+        --vllm-python /tmp/vllm-venv/bin/python --plot
+
+``--plot`` without a path redraws ``docs/perf/quant_bench.png`` (``quant_bench_<isa>.png`` with
+``--isa``), the plots of ``docs/perf/quantization.md``; keep the JSON lines beside them in
+``docs/perf/results/``.
 
 The plain dtype is what ``dtype=auto`` takes on this CPU (bfloat16 only where it is native),
 or ``--dtype``. ``--modes`` picks variants (the first is the baseline); ``--isa CLASS`` caps the
@@ -39,6 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import offline_throughput as ot  # noqa: E402  (after the path)
+from perf_home import plot_path  # noqa: E402
 
 # (name, quantization, kv_cache_dtype): the plain dtype first, the baseline of the ratios
 MODES = {"plain": (None, "auto"), "int8": ("int8", "auto"), "fp8": ("fp8", "auto"),
@@ -160,7 +165,9 @@ def plot(summ: dict, path: str, title: str) -> None:
 def main(argv=None) -> None:
     own = argparse.ArgumentParser(add_help=False)  # the rest are offline_throughput.py's
     own.add_argument("--decode-tokens", type=int, default=32)
-    own.add_argument("--plot", default=None, help="a bar chart of the ratios (PNG)")
+    own.add_argument("--plot", nargs="?", const="", default=None,
+                     help="a bar chart of the ratios (PNG; no path: docs/perf/quant_bench.png, "
+                     "quant_bench_<isa>.png with --isa)")
     own.add_argument("--rounds", type=int, default=2, help="measurements of each variant")
     own.add_argument("--modes", default=",".join(MODES),
                      help=f"engine variants, the first the baseline (of {', '.join(MODES)})")
@@ -170,7 +177,9 @@ def main(argv=None) -> None:
     args.decode_tokens = mine.decode_tokens
     if not any(a.startswith("--kv-cache-gib") for a in rest):
         args.kv_cache_gib = 1  # every variant's engine is held at once
-    plot_path = mine.plot
+    png = mine.plot
+    if png == "":  # --plot without a path: the page's plot
+        png = plot_path(f"quant_bench_{args.isa}.png" if args.isa else "quant_bench.png")
     ot.apply_isa_cap(args.isa)
     ot.resolve_cpu(args)
     path = ot.checkpoint_path(args.model_size)
@@ -194,8 +203,8 @@ def main(argv=None) -> None:
         print(json.dumps(vllm), flush=True)
     summ = summary(runs, vllm)
     print(json.dumps(summ), flush=True)
-    if plot_path:
-        plot(summ, plot_path, f"{args.model_size}, {args.num_prompts} requests, "
+    if png:
+        plot(summ, png, f"{args.model_size}, {args.num_prompts} requests, "
              f"{args.cpu['class']}: ratios to {summ['baseline']}")
 
 

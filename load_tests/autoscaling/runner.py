@@ -4,6 +4,10 @@ each, the cheapest fixed count found by bisection, then the table and the plot.
     python load_tests/autoscaling_sim.py                      # the full comparison
     python load_tests/autoscaling_sim.py --quick              # one seed, one start, 10 minutes
     python load_tests/autoscaling_sim.py --trace csv:my.csv --startup-s 20 --seeds 0
+
+``--out`` and ``--plot`` without a path write into the benchmark's home: the JSON lines to a new
+``docs/perf/results/autoscaling_sim_<time>.jsonl``, the plot to ``docs/perf/autoscaling.png``
+(the plot of ``docs/perf/autoscaling.md``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from load_tests.autoscaling import report
 from load_tests.autoscaling.policies import BASELINES, build, labels, policy_spec
 from load_tests.autoscaling.sim import Sim
 from load_tests.autoscaling.traces import TRACES, make_trace
+from load_tests.perf_home import plot_path, results_path
 
 # Prefill of the modelled replica, tokens/s. The replica (20 ms decode steps at batch 1, 64
 # slots, 48k KV tokens) is an ~8B model on one data-centre GPU. Prefill is compute-bound at about
@@ -52,8 +57,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tick-s", type=float, default=0.1)
     p.add_argument("--control-period-s", type=float, default=0.5)
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--out", help="also write the JSON lines to this file")
-    p.add_argument("--plot", help="replica-seconds against p95 TTFT, a PNG")
+    p.add_argument("--out", nargs="?", const=results_path("autoscaling_sim"),
+                   help="also write the JSON lines to this file (no path: a new file in "
+                   "docs/perf/results/)")
+    p.add_argument("--plot", nargs="?", const=plot_path("autoscaling.png"),
+                   help="replica-seconds against p95 TTFT, a PNG (no path: "
+                   "docs/perf/autoscaling.png)")
     p.add_argument("--quick", action="store_true",
                    help="600 s, seed 0, start 30 s (for tests and a first look)")
     args = p.parse_args(argv)
