@@ -1,6 +1,6 @@
 """The autoscaling comparison, one command: ``python load_tests/autoscaling_sim.py [--quick]``.
 
-The simulator and its baselines live in ``load_tests/autoscaling/`` (see docs/autoscaling.md);
+The simulator and its baselines live in ``load_tests/autoscaling/`` (see docs/perf/autoscaling.md);
 this file only runs ``load_tests.autoscaling.runner.main`` from a checkout.
 """
 

@@ -1,5 +1,5 @@
 """The autoscaling comparison: a simulated fleet of Worker replicas, pagedserve's policy and the
-other autoscalers' policies on the same traces (docs/autoscaling.md).
+other autoscalers' policies on the same traces (docs/perf/autoscaling.md).
 
 * ``traces``: bursty, diurnal, BurstGPT-shaped, a user's CSV;
 * ``fleet``: the modelled replica and the Router (routing, standby, demand reports);
