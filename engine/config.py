@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 import yaml
@@ -16,9 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.fields import FieldInfo
 
 from engine import envs
-
-if TYPE_CHECKING:
-    from engine.models.hf_config import HFConfig
+from kernels import settings as kernel_settings
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -223,17 +221,6 @@ class EngineConfig(_Strict):
         return out
 
 
-def resolve_max_model_len(requested: int | None, hf: HFConfig) -> int:
-    """``max_model_len`` checked against the checkpoint (None: the model's own limit)."""
-    limit = hf.max_position
-    if requested is None:
-        requested = limit
-    if requested > limit:
-        raise ValueError(f"max_model_len={requested} is over the model's "
-                         f"max_position_embeddings={limit}")
-    return requested
-
-
 def _section_fields(section: object) -> dict[str, FieldInfo]:
     """The fields of one of EngineConfig's sections (each a pydantic model)."""
     if isinstance(section, type) and issubclass(section, BaseModel):
@@ -242,3 +229,12 @@ def _section_fields(section: object) -> dict[str, FieldInfo]:
 
 
 _FLAT = {k for f in EngineConfig.model_fields.values() for k in _section_fields(f.annotation)}
+
+
+def configure_kernels(device: DeviceConfig) -> None:
+    """Hand the device section's kernel switches and the ISA cap to ``kernels.settings``."""
+    s = envs.settings()
+    kernel_settings.configure(
+        cpu_kernels=device.cpu_kernels, packed_gemm=device.cpu_packed_gemm,
+        build_dir=device.kernel_build_dir or s.cache_dir / "kernels", isa_cap=s.cpu_isa,
+        clear_cap=s.cpu_isa is None)

@@ -12,13 +12,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from kernels import settings as kernel_settings
 from kernels.cpu_isa import CLASSES
-
-if TYPE_CHECKING:
-    from engine.config import DeviceConfig
 
 
 @dataclass(frozen=True)
@@ -67,12 +62,3 @@ def reload() -> Settings:
 def cache_dir() -> Path:
     """Where the default model (and, by default, the CPU kernels) are built."""
     return settings().cache_dir
-
-
-def configure_kernels(device: DeviceConfig) -> None:
-    """Hand the device section's kernel switches and the ISA cap to ``kernels.settings``."""
-    s = settings()
-    kernel_settings.configure(
-        cpu_kernels=device.cpu_kernels, packed_gemm=device.cpu_packed_gemm,
-        build_dir=device.kernel_build_dir or s.cache_dir / "kernels", isa_cap=s.cpu_isa,
-        clear_cap=s.cpu_isa is None)

@@ -20,15 +20,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.config import EngineConfig, resolve_max_model_len
-from engine.envs import configure_kernels
+from engine.config import EngineConfig, configure_kernels
 from engine.grammar.compiler import Grammars
 from engine.kv_cache_manager import KVCacheManager
 from engine.layers.logits_processors import bad_words_ids, check_vocab_ids
 from engine.loader import resolve_dtype
 from engine.model_runner import ModelRunner
 from engine.models.generation_config import default_sampling
-from engine.models.hf_config import HFConfig
+from engine.models.hf_config import HFConfig, resolve_max_model_len
 from engine.models.hub import locate_model
 from engine.output_processor import OutputProcessor, RequestGroup
 from engine.outputs import Logprobs, RequestOutput

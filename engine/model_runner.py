@@ -16,11 +16,10 @@ import torch
 
 from engine import step_message
 from engine.batch_layout import HostBatch, lay_out
-from engine.config import EngineConfig
+from engine.config import EngineConfig, configure_kernels
 from engine.context import AttentionMetadata, set_context
 from engine.cpu_runtime import keep_freed_memory
 from engine.distributed import broadcast_cpu, tp_rank, tp_size
-from engine.envs import configure_kernels
 from engine.kv_cache_tensor import KVCacheTensor, kv_budget_bytes, kv_cache_dtype
 from engine.layers.attention import Attention, expect_kv_scales, finish_kv_scales
 from engine.layers.embedding import ParallelLMHead

@@ -6,7 +6,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn, TypeGuard
 
-from engine.layers.logits_processors import validate_extras
 from engine.structured_output import StructuredOutputsParams
 
 OutputKind = Literal["cumulative", "delta", "final"]
@@ -17,6 +16,9 @@ MAX_TEMPERATURE = 100.0
 MAX_STOP = 64  # stop strings of one request
 MAX_STOP_LEN = 1024  # characters of one stop string (the detokenizer holds that much back)
 MAX_STOP_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 128
+MAX_WORD_LEN = 1024  # characters of one bad word, or of a cache salt
+MAX_BIAS = 100.0  # logit_bias values lie in [-MAX_BIAS, MAX_BIAS], as OpenAI's API takes them
 INT32_MAX = 2 ** 31 - 1
 _SEED_MIN, _SEED_MAX = -(2 ** 63), 2 ** 63 - 1  # torch generators take seed + index < 2**64
 
@@ -90,7 +92,7 @@ class SamplingParams:
         _int_field("logprobs", self.logprobs, 0, MAX_LOGPROBS, optional=True)
         _int_field("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS, optional=True)
         _int_field("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, INT32_MAX, True)
-        validate_extras(self)
+        _check_extras(self)
         for name in ("presence_penalty", "frequency_penalty"):
             _float_field(name, getattr(self, name), -2.0, 2.0)
         _float_field("repetition_penalty", self.repetition_penalty, 0.0, 2.0, low_open=True)
@@ -169,3 +171,34 @@ def _float_field(name: str, value: object, low: float, high: float,
     above = value > low if low_open else value >= low
     _check(above and value <= high, name,
            f"must be in {'(' if low_open else '['}{low:g}, {high:g}]", value)
+
+
+def _is_id(t: object) -> bool:
+    return _is_int(t) and 0 <= t <= INT32_MAX
+
+
+def _is_bias(v: object) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            and -MAX_BIAS <= v <= MAX_BIAS)
+
+
+def _check_extras(p: SamplingParams) -> None:
+    """vLLM's logits-processor fields and ``cache_salt``."""
+    allowed = p.allowed_token_ids
+    _check(allowed is None or (isinstance(allowed, list) and bool(allowed)
+                               and all(map(_is_id, allowed))),
+           "allowed_token_ids", f"must be a non-empty list of token ids in [0, {INT32_MAX}]",
+           allowed)
+    words = p.bad_words
+    _check(words is None or (isinstance(words, list) and len(words) <= MAX_BAD_WORDS and all(
+        isinstance(w, str) and w.strip() and len(w) <= MAX_WORD_LEN for w in words)),
+           "bad_words", f"must be a list of at most {MAX_BAD_WORDS} non-blank strings of at "
+           f"most {MAX_WORD_LEN} characters", words)
+    bias = p.logit_bias
+    _check(bias is None or (isinstance(bias, dict) and all(map(_is_id, bias))
+                            and all(map(_is_bias, bias.values()))),
+           "logit_bias", f"must map token ids in [0, {INT32_MAX}] to numbers in "
+           f"[{-MAX_BIAS:g}, {MAX_BIAS:g}]", bias)
+    salt = p.cache_salt
+    _check(salt is None or (isinstance(salt, str) and 0 < len(salt) <= MAX_WORD_LEN),
+           "cache_salt", f"must be a non-empty string of at most {MAX_WORD_LEN} characters", salt)

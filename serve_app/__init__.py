@@ -6,12 +6,9 @@ Importing any of it changes nothing outside it: Ray's switches for a cluster tha
 starts are set when the app is built (``serve_app.ingress.prepare_cluster_env``).
 """
 
-import time
 from typing import Any
 
-# When this process began importing serve_app: the start of a Worker's own imports, after Ray's
-# (serve_app.startup's ``imports_start``).
-IMPORTED_AT = time.time()
+from serve_app import import_time  # noqa: F401  (first: the time this process began importing)
 
 __all__ = ["AppConfig", "app", "build_app", "serve_at_normal_priority", "use_fast_ingress"]
 

@@ -16,9 +16,9 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from engine.layers.logits_processors import MAX_BIAS
 from engine.sampling_params import (
     INT32_MAX,
+    MAX_BIAS,
     MAX_N,
     MAX_STOP_LEN,
     MAX_STOP_TOKEN_IDS,

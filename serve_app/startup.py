@@ -20,7 +20,7 @@ import os
 import time
 from typing import TypedDict
 
-import serve_app
+from serve_app import import_time
 
 
 class StartPhases(TypedDict):
@@ -42,7 +42,7 @@ class StartTimed:
         engine = getattr(self, "engine", None)  # the Worker's (an AsyncEngine: its LLMEngine's)
         clock = getattr(getattr(engine, "engine", engine), "start_clock", None)
         return {"replica": self.replica_id, "process_start": process_start_time(),
-                "imports_start": serve_app.IMPORTED_AT,
+                "imports_start": import_time.IMPORTED_AT,
                 "engine_start": clock.started_at if clock else None,
                 "engine_end": clock.last_mark_at if clock else None,
                 "engine": dict(clock.phases) if clock else {}}

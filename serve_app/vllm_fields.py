@@ -14,8 +14,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 
-from engine.layers.logits_processors import MAX_BAD_WORDS, MAX_WORD_LEN
-from engine.sampling_params import INT32_MAX, MAX_LOGPROBS
+from engine.sampling_params import INT32_MAX, MAX_BAD_WORDS, MAX_LOGPROBS, MAX_WORD_LEN
 from serve_app.errors import FieldError, StrictModel
 
 MAX_ALLOWED_IDS = 1 << 20  # allowed_token_ids (each must also be below the vocabulary size)

@@ -1,11 +1,11 @@
 """vLLM's per-request logits processors beside the sampler's own: ``allowed_token_ids`` (only
 those ids can be sampled), ``bad_words`` (their token sequences are never generated) and
-OpenAI's ``logit_bias`` (a number added to chosen tokens' logits), with the checks of these
-fields and the bad words' tokenization."""
+OpenAI's ``logit_bias`` (a number added to chosen tokens' logits); their checks against the
+vocabulary and the bad words' tokenization (the fields' own checks live with
+``SamplingParams``)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -13,51 +13,6 @@ import torch
 
 if TYPE_CHECKING:
     from engine.request import Request
-
-MAX_BAD_WORDS = 128
-MAX_WORD_LEN = 1024  # characters of one bad word, or of a cache salt
-_INT32_MAX = 2 ** 31 - 1
-MAX_BIAS = 100.0  # logit_bias values lie in [-MAX_BIAS, MAX_BIAS], as OpenAI's API takes them
-
-
-def _fail(name: str, rule: str, value: object) -> None:
-    text = repr(value)
-    raise ValueError(f"{name} {rule}, got {text if len(text) <= 80 else text[:77] + '...'}")
-
-
-def _is_id(t: object) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _INT32_MAX
-
-
-def _is_bias(v: object) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-            and -MAX_BIAS <= v <= MAX_BIAS)
-
-
-def validate_extras(p: Any) -> None:
-    """Check ``allowed_token_ids``, ``bad_words``, ``logit_bias`` and ``cache_salt`` of
-    SamplingParams ``p`` (``ValueError`` naming the field, as ``SamplingParams.validate``'s
-    other checks)."""
-    allowed = p.allowed_token_ids
-    if allowed is not None and not (isinstance(allowed, list) and allowed
-                                    and all(map(_is_id, allowed))):
-        _fail("allowed_token_ids", f"must be a non-empty list of token ids in [0, {_INT32_MAX}]",
-              allowed)
-    words = p.bad_words
-    if words is not None and not (isinstance(words, list) and len(words) <= MAX_BAD_WORDS and all(
-            isinstance(w, str) and w.strip() and len(w) <= MAX_WORD_LEN for w in words)):
-        _fail("bad_words", f"must be a list of at most {MAX_BAD_WORDS} non-blank strings of at "
-              f"most {MAX_WORD_LEN} characters", words)
-    bias = p.logit_bias
-    if bias is not None and not (isinstance(bias, dict) and all(map(_is_id, bias))
-                                 and all(map(_is_bias, bias.values()))):
-        _fail("logit_bias", f"must map token ids in [0, {_INT32_MAX}] to numbers in "
-              f"[{-MAX_BIAS:g}, {MAX_BIAS:g}]", bias)
-    salt = p.cache_salt
-    if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_WORD_LEN):
-        _fail("cache_salt", f"must be a non-empty string of at most {MAX_WORD_LEN} characters",
-              salt)
-
 
 def check_vocab_ids(p: Any, vocab_size: int) -> None:
     """Token ids of ``p`` index the logits: each must be below ``vocab_size`` (one bad id would

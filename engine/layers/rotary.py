@@ -22,15 +22,12 @@ from __future__ import annotations
 import json
 import math
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from kernels import ops
-
-if TYPE_CHECKING:
-    from engine.models.hf_config import HFConfig
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "su")
 
@@ -161,15 +158,6 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache",
                              cos_sin_table(self.rotary_dim, max_position, theta, rope),
                              persistent=False)
-
-    @classmethod
-    def from_config(cls, cfg: HFConfig) -> RotaryEmbedding:
-        """The rotary embedding ``cfg`` asks for (LongRoPE resolved by ``longrope_params``)."""
-        rope = cfg.rope
-        if rope_kind(rope) == "longrope":
-            rope = longrope_params(rope, cfg.raw, cfg.max_position, cfg.max_model_len)
-        return cls(cfg.head_dim, cfg.max_position, cfg.rope_theta, rope,
-                   rotary_dim(cfg.head_dim, cfg.raw, cfg.rope))
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,6 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from engine.layers.rotary import SUPPORTED_ROPE_TYPES
+from engine.models.architectures import (
+    architecture_class,
+    check_architecture,
+    supported_architectures,
+)
 from engine.models.quant_config import CheckpointQuant, parse_checkpoint_quant
 
 logger = logging.getLogger(__name__)
@@ -64,12 +69,10 @@ class HFConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], where: str = "config.json") -> HFConfig:
-        from engine.models.registry import check_architecture, model_class
-
         check_no_remote_code(raw, where, _names_a_supported_architecture(raw))
         arch = check_architecture(raw.get("architectures"), where)
         _check_fields(raw, where)
-        model_class(arch).check_config(raw, where)
+        architecture_class(arch).check_config(raw, where)
         quantization = parse_checkpoint_quant(raw.get("quantization_config"), where)
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
         kind = rope.get("rope_type", rope.get("type", "default"))
@@ -157,7 +160,16 @@ def check_no_remote_code(raw: dict[str, Any], where: str, supported: bool = Fals
 
 
 def _names_a_supported_architecture(raw: dict[str, Any]) -> bool:
-    from engine.models.registry import supported_architectures
-
     archs = raw.get("architectures")
     return isinstance(archs, list) and any(a in supported_architectures() for a in archs)
+
+
+def resolve_max_model_len(requested: int | None, hf: HFConfig) -> int:
+    """``max_model_len`` checked against the checkpoint (None: the model's own limit)."""
+    limit = hf.max_position
+    if requested is None:
+        requested = limit
+    if requested > limit:
+        raise ValueError(f"max_model_len={requested} is over the model's "
+                         f"max_position_embeddings={limit}")
+    return requested

@@ -19,11 +19,25 @@ from engine.layers.linear import (
     RowParallelLinear,
 )
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding, check_rope_config
+from engine.layers.rotary import (
+    RotaryEmbedding,
+    check_rope_config,
+    longrope_params,
+    rope_kind,
+    rotary_dim,
+)
 from engine.models.hf_config import HFConfig
 from engine.models.layer_types import set_sliding_windows, sliding_windows
 from engine.models.registry import CausalLM
 
+
+def rotary_embedding(cfg: HFConfig) -> RotaryEmbedding:
+    """The rotary embedding ``cfg`` asks for (LongRoPE resolved by ``longrope_params``)."""
+    rope = cfg.rope
+    if rope_kind(rope) == "longrope":
+        rope = longrope_params(rope, cfg.raw, cfg.max_position, cfg.max_model_len)
+    return RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, rope,
+                           rotary_dim(cfg.head_dim, cfg.raw, cfg.rope))
 
 class LlamaAttention(nn.Module):
     """``qk_norm``: each head of q and k RMS-normalised (weights ``q_norm``, ``k_norm`` of
@@ -40,7 +54,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_norm: nn.Module | None = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm: nn.Module | None = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
-        self.rotary_emb = RotaryEmbedding.from_config(cfg)
+        self.rotary_emb = rotary_embedding(cfg)
         self.attn = Attention(self.qkv_proj.num_heads, cfg.head_dim,
                               self.qkv_proj.num_kv_heads, cfg.head_dim**-0.5)
 

@@ -1,4 +1,4 @@
-"""Maps ``architectures`` in config.json to model classes, and states what a model class is."""
+"""What a model class is (``CausalLM``), and the model class for an architecture."""
 
 from __future__ import annotations
 
@@ -10,21 +10,10 @@ from torch import nn
 from engine.layers.embedding import ParallelLMHead
 from engine.layers.linear import LinearBase, quantize_linears
 from engine.loader import ShardId
+from engine.models.architectures import architecture_class
 
 if TYPE_CHECKING:
     from engine.models.hf_config import HFConfig
-
-_MODELS = {
-    "LlamaForCausalLM": "engine.models.llama:LlamaForCausalLM",
-    "MistralForCausalLM": "engine.models.llama:LlamaForCausalLM",
-    "Qwen2ForCausalLM": "engine.models.llama:LlamaForCausalLM",
-    "Gemma2ForCausalLM": "engine.models.gemma:Gemma2ForCausalLM",
-    "Gemma3ForCausalLM": "engine.models.gemma:Gemma3ForCausalLM",
-    "Qwen3ForCausalLM": "engine.models.qwen3:Qwen3ForCausalLM",
-    "Phi3ForCausalLM": "engine.models.phi3:Phi3ForCausalLM",
-    "MixtralForCausalLM": "engine.models.mixtral:MixtralForCausalLM",
-    "Qwen3MoeForCausalLM": "engine.models.mixtral:Qwen3MoeForCausalLM",
-}
 
 
 class CausalLM(nn.Module):
@@ -93,23 +82,7 @@ class CausalLM(nn.Module):
             self.lm_head.quantize()
 
 
-def supported_architectures() -> list[str]:
-    return sorted(_MODELS)
-
-
-def check_architecture(archs: object, where: str = "config.json") -> str:
-    if not isinstance(archs, list) or not archs:
-        raise ValueError(f"{where}: 'architectures' is missing; supported: "
-                         f"{', '.join(supported_architectures())}")
-    for arch in archs:
-        if isinstance(arch, str) and arch in _MODELS:
-            return arch
-    raise ValueError(f"{where}: architecture {', '.join(map(str, archs))} is not supported; "
-                     f"supported: {', '.join(supported_architectures())}")
-
-
 def model_class(arch: str) -> type[CausalLM]:
-    module_name, cls_name = _MODELS[arch].split(":")
-    module = __import__(module_name, fromlist=[cls_name])
-    cls: type[CausalLM] = getattr(module, cls_name)
+    """The model class registered for ``arch`` (one that ``check_architecture`` accepted)."""
+    cls: type[CausalLM] = architecture_class(arch)
     return cls

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import resolve_max_model_len
 from engine.models.gemma import gemma3_ropes
-from engine.models.hf_config import HFConfig
+from engine.models.hf_config import HFConfig, resolve_max_model_len
 from engine.models.layer_types import sliding_windows
 
 BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,

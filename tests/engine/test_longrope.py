@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.layers.rotary import RotaryEmbedding
 from engine.models.hf_config import HFConfig
+from engine.models.llama import rotary_embedding
 from tests.checkpoints import make_checkpoint
 
 OLD_LEN = 32  # original_max_position_embeddings; max_position_embeddings is 512
@@ -44,7 +44,7 @@ def with_rope(**change) -> dict:
 def our_table(raw: dict, max_model_len: int) -> torch.Tensor:
     hf = HFConfig.from_dict(raw)
     hf.max_model_len = max_model_len
-    return RotaryEmbedding.from_config(hf).cos_sin_cache
+    return rotary_embedding(hf).cos_sin_cache
 
 
 def test_tables_match_hugging_face_below_and_above_original_length():

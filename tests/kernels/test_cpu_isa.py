@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import envs
-from engine.config import DeviceConfig
+from engine.config import DeviceConfig, configure_kernels
 from engine.loader import resolve_dtype
 from kernels import cpu_isa
 from kernels import cpu_kernels as cpu
@@ -38,10 +38,10 @@ def test_class_from_flags(flags, isa):
 
 
 def test_the_cap_comes_from_the_environment(monkeypatch):
-    # read once into the engine's settings, handed to kernels.settings by configure_kernels
+    # read once into the engine's settings, handed to kernels.settings by engine.config.configure_kernels
     monkeypatch.setenv("PAGEDSERVE_CPU_ISA", "generic")
     envs.reload()
-    envs.configure_kernels(DeviceConfig())
+    configure_kernels(DeviceConfig())
     assert cpu_isa.isa_class(SAPPHIRE_RAPIDS) == "generic"
     assert cpu_isa.march_flags() == ["-march=x86-64", "-mtune=generic"]
     monkeypatch.setenv("PAGEDSERVE_CPU_ISA", "avx3")
@@ -49,7 +49,7 @@ def test_the_cap_comes_from_the_environment(monkeypatch):
         envs.reload()
     monkeypatch.delenv("PAGEDSERVE_CPU_ISA")
     envs.reload()
-    envs.configure_kernels(DeviceConfig())
+    configure_kernels(DeviceConfig())
     assert cpu_isa.isa_class() == cpu_isa.detect(cpu_isa.cpu_flags())
     assert cpu_isa.march_flags() == ["-march=native"]
 

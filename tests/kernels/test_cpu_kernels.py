@@ -231,11 +231,11 @@ def test_disabled_c_kernels_fall_back_to_torch():
     code = (
         "import torch\n"
         "from engine import envs\n"
-        "from engine.config import DeviceConfig\n"
+        "from engine.config import DeviceConfig, configure_kernels\n"
         "from kernels import cpu_kernels, ops\n"
         "from kernels.activation import silu_and_mul_ref\n"
         "assert cpu_kernels.settings.current().cpu_kernels\n"
-        "envs.configure_kernels(DeviceConfig())\n"
+        "configure_kernels(DeviceConfig())\n"
         "assert not cpu_kernels.available()\n"
         "x = torch.randn(3, 8)\n"
         "assert torch.equal(ops.silu_and_mul(x), silu_and_mul_ref(x))\n"
