@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from engine.config import EngineConfig
+from engine.core.outputs import RequestOutput
+from engine.core.sampling_params import SamplingParams
+from engine.core.stats import AsyncEngineStats
 from engine.health import EngineDeadError, EngineStalledError, StepWatchdog
 from engine.llm_engine import LLMEngine, PromptType
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.stats import AsyncEngineStats
 
 logger = logging.getLogger(__name__)
 

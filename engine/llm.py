@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any, cast
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
+from engine.core.outputs import RequestOutput
+from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine, PromptType
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -2,9 +2,9 @@
 returns what changed, ``abort`` drops a request and frees its blocks.
 
 The jobs around it live in their own modules: prompt encoding beside the tokenizer
-(``engine.tokenizer``), the step and its failure isolation (``engine.step_executor``), text and
-outputs (``engine.output_processor``), device, thread and length resolution in
-``engine.config``, the tensor-parallel ranks' start and stop in ``engine.tp_ranks``.
+(``engine.tokenizer``), the step and its failure isolation (``engine.executor.step_executor``), text and
+outputs (``engine.core.output_processor``), device, thread and length resolution in
+``engine.config``, the tensor-parallel ranks' start and stop in ``engine.executor.tp_ranks``.
 
 With ``tensor_parallel_size`` N > 1 this process is rank 0: it schedules and samples, and starts
 ranks 1..N-1 that hold the other shards of the model; ``shutdown`` stops them. With N = 1 there
@@ -21,26 +21,26 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import EngineConfig, configure_kernels
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.output_processor import OutputProcessor, RequestGroup
+from engine.core.outputs import Logprobs, RequestOutput
+from engine.core.request import Request, RequestStatus
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.core.stats import EngineStats, StartClock
+from engine.executor.model_runner import ModelRunner
+from engine.executor.step_executor import StepExecutor, TensorParallelError
+from engine.executor.tp_ranks import check_tp_start, start_ranks, stop_ranks
 from engine.grammar.compiler import Grammars
-from engine.kv_cache_manager import KVCacheManager
-from engine.layers.logits_processors import bad_words_ids, check_vocab_ids
 from engine.loader import resolve_dtype
-from engine.model_runner import ModelRunner
 from engine.models.generation_config import default_sampling
 from engine.models.hf_config import HFConfig, resolve_max_model_len
 from engine.models.hub import locate_model
-from engine.output_processor import OutputProcessor, RequestGroup
-from engine.outputs import Logprobs, RequestOutput
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.stats import EngineStats, StartClock
-from engine.step_executor import StepExecutor, TensorParallelError
+from engine.sample.logits_processors import bad_words_ids, check_vocab_ids
 from engine.tokenizer import PromptType, check_vocab, encode_prompt, eos_token_ids, load_tokenizer
-from engine.tp_ranks import check_tp_start, start_ranks, stop_ranks
 
 if TYPE_CHECKING:
-    from engine.tp_ranks import RankGroup, RankLauncher
+    from engine.executor.tp_ranks import RankGroup, RankLauncher
 
 __all__ = ["LLMEngine", "PromptType", "TensorParallelError"]
 

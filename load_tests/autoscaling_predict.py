@@ -24,8 +24,8 @@ from ray.serve.config import AutoscalingConfig
 
 from load_tests.autoscaling.fleet import Router
 from load_tests.autoscaling.sim import Sim
-from serve_app.autoscaling import QueueDepthPolicy
-from serve_app.autoscaling_config import load_policy
+from serve_app.autoscaling.config import load_policy
+from serve_app.autoscaling.policy import QueueDepthPolicy
 
 KV_TOKENS = 1_000_000  # does not bind for the replay's short prompts
 

@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT / "load_tests"))
 from perf_home import results_path  # noqa: E402
 from soak.cluster import APP, LocalApp, wait_for  # noqa: E402
 
-from serve_app.autoscaling_config import load_policy  # noqa: E402
+from serve_app.autoscaling.config import load_policy  # noqa: E402
 
 WORKER = {"dtype": "float32", "max_model_len": 512, "kv_cache_memory_bytes": 64 << 20,
           "num_threads": 1, "accelerator": "cpu", "worker_num_cpus": 0.1,

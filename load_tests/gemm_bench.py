@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import offline_throughput as ot  # noqa: E402  (after the path)
 
-from engine.cpu_runtime import keep_freed_memory  # noqa: E402
+from engine.executor.cpu_runtime import keep_freed_memory  # noqa: E402
 from kernels import cpu_gemm, cpu_isa, settings  # noqa: E402
 from kernels.cpu_gemm import Packed  # noqa: E402
 

@@ -202,7 +202,7 @@ def _compare(a: list[Any], b: list[Any]) -> dict[str, Any]:
 
 def engine(c: Check) -> dict[str, Any]:
     from engine import LLM
-    from engine.model_runner import weight_bytes
+    from engine.executor.model_runner import weight_bytes
 
     path = _checkpoint(c)
     common = dict(dtype="bfloat16", max_model_len=2048, device=c.device)
@@ -376,7 +376,7 @@ def _decode_steps(llm: Any, batch: int, context: int, new: int, c: Check) -> dic
 
 def performance(c: Check) -> dict[str, Any]:
     from engine import LLM
-    from engine.model_runner import weight_bytes
+    from engine.executor.model_runner import weight_bytes
 
     path = _checkpoint(c)
     _release(c.device)  # the engine step's last engine

@@ -80,7 +80,7 @@ def decode_tok_s(llm, batch: int, new_tokens: int, seed: int, context: int = 16,
 
 def open_engine(path: Path, args, mode: str) -> tuple[ot.EngineBackend, dict]:
     """An engine for ``mode`` and what it holds (weight bytes, KV blocks)."""
-    from engine.model_runner import weight_bytes
+    from engine.executor.model_runner import weight_bytes
 
     args.quantization, args.kv_cache_dtype = MODES[mode]
     backend = ot.EngineBackend(path, args)

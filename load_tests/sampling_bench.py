@@ -19,9 +19,9 @@ import time
 import torch
 
 from engine.config import DeviceConfig
-from engine.layers.sampler import Sampler
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
+from engine.sample.sampler import Sampler
 
 SETTINGS = {
     "greedy": {"temperature": 0.0},

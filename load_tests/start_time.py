@@ -7,7 +7,7 @@ for a second Worker. It reads:
 
 * the decision: the policy's ``QueueDepthPolicy: up 1 -> 2`` line in Serve's controller log,
   and the controller's ``Adding 1 replica`` / ``Starting Replica`` lines (actor creation);
-* the new replica's own timestamps (``Worker.start_phases()``, ``serve_app.startup``): process
+* the new replica's own timestamps (``Worker.start_phases()``, ``serve_app.worker.startup``): process
   start, start of its imports, the engine's build and its phases (config and tokenizer, model,
   weight load, pack, warm-up, KV allocation, CUDA graphs);
 * the first token it served: the first streamed response whose ``x-pagedserve-replica`` header
@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 URL = "http://127.0.0.1:8000"
-REPLICA_HEADER = "x-pagedserve-replica"  # serve_app.router.REPLICA_HEADER
+REPLICA_HEADER = "x-pagedserve-replica"  # serve_app.router.router.REPLICA_HEADER
 POLICY = {"min_replicas": 1, "max_replicas": 2, "target_queue_per_replica": 1,
           "max_kv_usage": 0.9, "upscale_delay_s": 0, "downscale_delay_s": 600,
           "look_back_period_s": 10, "metrics_interval_s": 0.5}
@@ -213,7 +213,7 @@ def gcs_address(proc: subprocess.Popen[bytes]) -> str:
 
 
 def replica_phases(replica: str, address: str) -> dict:
-    from serve_app.ingress import stay_on_loopback
+    from serve_app.cluster.ingress import stay_on_loopback
 
     stay_on_loopback(os.environ)  # as serve run: else Ray dials the machine's external address
     os.environ.setdefault("RAY_AUTH_MODE", "token")  # serve run's cluster wants its token
@@ -290,10 +290,10 @@ def measure_engine(name: str) -> dict:
     import importlib.util
 
     t0 = time.perf_counter()
-    from engine.sampling_params import SamplingParams
+    from engine.core.sampling_params import SamplingParams
     if importlib.util.find_spec("ray") is not None:
         from serve_app.config import AppConfig
-        from serve_app.worker import build_engine
+        from serve_app.worker.worker import build_engine
     else:  # a GPU image without Ray (gpu_check): the engine as a GPU Worker builds it
         from engine.async_engine import AsyncEngine
     imports = time.perf_counter() - t0

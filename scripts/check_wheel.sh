@@ -77,7 +77,7 @@ import sys
 from pathlib import Path
 
 import serve_app
-from serve_app.autoscaling_config import bundled_policies
+from serve_app.autoscaling.config import bundled_policies
 from serve_app.config import AppConfig
 
 venv, expected = Path(sys.argv[1]).resolve(), sys.argv[2:]

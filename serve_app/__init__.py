@@ -3,7 +3,7 @@
 ``serve run serve_app:app`` serves the default model; ``serve run serve_app:build_app
 model=/path num_workers=2 ...`` builds the app from validated arguments (``AppConfig``).
 Importing any of it changes nothing outside it: Ray's switches for a cluster that ``serve run``
-starts are set when the app is built (``serve_app.ingress.prepare_cluster_env``).
+starts are set when the app is built (``serve_app.cluster.ingress.prepare_cluster_env``).
 """
 
 from typing import Any
@@ -28,7 +28,7 @@ def __getattr__(name: str) -> Any:  # lazy: importing serve_app builds nothing
 
         return AppConfig
     if name in ("use_fast_ingress", "serve_at_normal_priority"):
-        from serve_app import ingress
+        from serve_app.cluster import ingress
 
         return getattr(ingress, name)
     raise AttributeError(name)

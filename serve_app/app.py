@@ -12,11 +12,11 @@ from ray import serve
 from ray.serve import Application, Deployment
 from ray.serve.config import RequestRouterConfig
 
+from serve_app.cluster.ingress import local_cluster_cpus, prepare_cluster_env
+from serve_app.cluster.request_router import WorkerRequestRouter
 from serve_app.config import AppConfig
-from serve_app.ingress import local_cluster_cpus, prepare_cluster_env
-from serve_app.request_router import WorkerRequestRouter
-from serve_app.router import Router
-from serve_app.worker import Worker
+from serve_app.router.router import Router
+from serve_app.worker.worker import Worker
 
 logger = logging.getLogger("ray.serve")
 

@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
 from pydantic import SecretStr, ValidationError
 from pydantic.fields import FieldInfo
 
-from engine.config import EngineConfig
+from engine import EngineConfig
 from serve_app.config import AppConfig
 
 if TYPE_CHECKING:
-    from engine.llm import LLM
+    from engine import LLM
 
 ALIASES = {"tensor_parallel_size": ["-tp"], "quantization": ["-q"],
            "num_workers": ["--data-parallel-size", "-dp"],
@@ -82,7 +82,7 @@ def add_field_flags(parser: argparse.ArgumentParser, title: str,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from serve_app.endpoints import pagedserve_version
+    from serve_app.router.endpoints import pagedserve_version
 
     parser = argparse.ArgumentParser(prog="pagedserve", description="OpenAI-compatible LLM "
                                      "serving on Ray Serve, and offline generation.")
@@ -136,7 +136,7 @@ def _given(args: argparse.Namespace, fields: dict[str, FieldInfo]) -> dict[str, 
 def check_model(parser: argparse.ArgumentParser, model: str | None) -> None:
     """A MODEL that is neither a folder nor reads as a Hub id is a usage error, before any
     start-up work."""
-    from engine.models.hub import looks_like_repo_id
+    from engine import looks_like_repo_id
 
     if model is not None and not Path(model).expanduser().is_dir() \
             and not looks_like_repo_id(model):
@@ -195,7 +195,7 @@ def serve(cfg: AppConfig, host: str, port: int) -> None:
 
 def generate(argv: Sequence[str]) -> list[str]:
     """``pagedserve generate`` arguments -> each prompt's completion text."""
-    from engine.sampling_params import SamplingParams
+    from engine import SamplingParams
 
     args, parser = _parse("generate", argv)
     check_model(parser, args.model)
@@ -212,7 +212,7 @@ def generate(argv: Sequence[str]) -> list[str]:
 
 
 def _llm(parser: argparse.ArgumentParser, settings: dict[str, Any]) -> LLM:
-    from engine.llm import LLM
+    from engine import LLM
 
     try:
         return LLM(**settings)

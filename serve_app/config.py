@@ -14,10 +14,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from engine.config import EngineConfig
-from serve_app.autoscaling_config import AutoscalingPolicyConfig, load_policy
-from serve_app.chat_template import load_chat_template
-from serve_app.metric_names import MetricsNaming
+from engine import EngineConfig
+from serve_app.autoscaling.config import AutoscalingPolicyConfig, load_policy
+from serve_app.metrics.names import MetricsNaming
+from serve_app.protocol.chat_template import load_chat_template
 
 
 def _engine_keys() -> set[str]:
@@ -150,7 +150,7 @@ class AppConfig(BaseModel):
         "no step has run past step_timeout_s; three failed checks in a row replace the Worker."
     )
     autoscaling: AutoscalingPolicyConfig | None = Field(
-        None, description="Worker autoscaling policy (serve_app.autoscaling:QueueDepthPolicy): "
+        None, description="Worker autoscaling policy (serve_app.autoscaling.policy:QueueDepthPolicy): "
         "a bundled policy's name (latency_first, throughput_first, scale_to_zero: "
         "deploy/autoscaling/<name>.yaml), the path of a policy file, or a mapping of the same "
         "fields. None = a fixed num_workers replicas."

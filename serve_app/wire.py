@@ -26,9 +26,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Literal, NamedTuple, TypedDict
 
-from engine.outputs import Logprobs, PromptLogprobs
-from engine.sampling_params import SamplingParams
-from engine.stats import AsyncEngineStats
+from engine import AsyncEngineStats, Logprobs, PromptLogprobs, SamplingParams
 
 # Why the Router aborts a request at its Worker (``Worker.abort``'s ``reason``): the client
 # left ("abort"), or a stop string matched ("stop"; the engine never sees stop strings). The
@@ -170,9 +168,9 @@ class RoutingStats(TypedDict):
 
 
 class DemandStats(TypedDict):
-    """What a Worker adds to its autoscaling stats from ``serve_app.demand``: its finished
+    """What a Worker adds to its autoscaling stats from ``serve_app.router.demand``: its finished
     requests per second and the Routers' demand (sums over their fresh reports, 0.0 with none;
-    the names are ``serve_app.autoscaling_signals``' FINISHED_PER_S and DEMAND_*)."""
+    the names are ``serve_app.autoscaling.signals``' FINISHED_PER_S and DEMAND_*)."""
 
     finished_per_s: float  # requests finished on the replica per second, over 10 s
     demand_arrivals_per_s: float  # requests the Routers accepted per second (n choices count n)

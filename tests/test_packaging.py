@@ -19,7 +19,7 @@ import pytest
 from packaging.requirements import Requirement
 
 from kernels import cpu_kernels
-from serve_app import autoscaling_config
+from serve_app.autoscaling import config as autoscaling_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "kernels", "serve_app", "deploy")
@@ -71,7 +71,7 @@ def test_the_commands_are_in_the_wheel(wheel):
     (entry_points,) = [n for n in wheel.namelist() if n.endswith(".dist-info/entry_points.txt")]
     assert wheel.read(entry_points).decode().split() == [
         "[console_scripts]", "pagedserve", "=", "serve_app.cli:main",
-        "pagedserve-haproxy", "=", "serve_app.haproxy_launcher:main"]
+        "pagedserve-haproxy", "=", "serve_app.cluster.haproxy_launcher:main"]
 
 
 def test_every_package_and_nothing_else_is_in_the_wheel(wheel):

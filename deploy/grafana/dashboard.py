@@ -1,6 +1,6 @@
 """The pagedserve Grafana dashboard, built as code with ``grafana-foundation-sdk``.
 
-Every query reads the series Ray's metrics export serves (``serve_app/metrics.py`` for
+Every query reads the series Ray's metrics export serves (``serve_app/metrics/worker.py`` for
 pagedserve's, named as ``metrics_naming`` says: ``ray_pagedserve_*`` by default, vLLM's
 ``ray_vllm_*`` with ``vllm``; Ray Serve's own ``ray_serve_*``), selected by the ``model_name``
 and ``replica`` variables (Serve panels by ``application``), through a Prometheus data-source
@@ -33,7 +33,7 @@ from grafana_foundation_sdk.models.dashboard import (
     VariableSort,
 )
 
-from serve_app.metric_names import MetricsNaming, Naming
+from serve_app.metrics.names import MetricsNaming, Naming
 
 UID = "pagedserve"
 TITLE = "pagedserve"

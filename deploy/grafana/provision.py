@@ -20,7 +20,7 @@ from grafana_client.client import (
 )
 
 from deploy.grafana.dashboard import DATASOURCE_NAME, DATASOURCE_UID, UID, dashboard_json
-from serve_app.metric_names import MetricsNaming
+from serve_app.metrics.names import MetricsNaming
 
 DEFAULT_PROMETHEUS_URL = "http://localhost:9090"
 SCRAPE_INTERVAL = "10s"  # as in deploy/prometheus/prometheus.yml: Grafana's $__rate_interval base

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from engine.grammar.deadline_pool import CompileTimeout, DeadlinePool
 from engine.grammar.language import first_token_possible
-from engine.structured_output import StructuredOutputsParams, parse_grammar
+from engine.grammar.structured_output import StructuredOutputsParams, parse_grammar
 
 if TYPE_CHECKING:
     import xgrammar

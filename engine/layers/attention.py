@@ -9,7 +9,7 @@ import math
 import torch
 from torch import nn
 
-from engine.context import get_context
+from engine.layers.context import get_context
 from engine.loader import Loaded, ShardId, as_tensor, set_weight_loader
 from kernels import ops
 

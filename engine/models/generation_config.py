@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 
 # generation_config.json's name -> SamplingParams' (the keys vLLM takes; do_sample is ignored)
 FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",

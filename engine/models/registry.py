@@ -20,7 +20,7 @@ class CausalLM(nn.Module):
     """What the model runner relies on in a model class, built as ``cls(hf_config)``.
 
     ``forward(input_ids [T], positions [T]) -> hidden [T, H]`` reads the step's attention
-    metadata from ``engine.context``; ``compute_logits(hidden [N, H])`` returns the logits
+    metadata from ``engine.layers.context``; ``compute_logits(hidden [N, H])`` returns the logits
     [N, vocab] on tensor-parallel rank 0 and None on the other ranks; ``pack_weights()`` runs
     once, after ``engine.loader.load_weights`` (and ``quantize_weights`` when quantizing), which
     reads ``packed_modules_mapping`` (checkpoint name part -> (fused module, shard id)).

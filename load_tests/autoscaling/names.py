@@ -1,9 +1,9 @@
-"""Metric names, from ``serve_app.autoscaling_signals`` (what ``Worker.record_autoscaling_stats()``
+"""Metric names, from ``serve_app.autoscaling.signals`` (what ``Worker.record_autoscaling_stats()``
 reports), in the order a simulated replica's samples carry them."""
 
 from __future__ import annotations
 
-from serve_app.autoscaling_signals import (
+from serve_app.autoscaling.signals import (
     DEMAND_ARRIVALS,
     DEMAND_PROMPT_TPS,
     DEMAND_WAITING,

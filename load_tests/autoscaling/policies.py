@@ -14,8 +14,8 @@ from load_tests.autoscaling import kpa, llmd
 from load_tests.autoscaling.baselines import Oracle, fixed, passthrough, serve_default
 from load_tests.autoscaling.fleet import Router
 from load_tests.autoscaling.traces import Trace
-from serve_app.autoscaling import QueueDepthPolicy
-from serve_app.autoscaling_config import AutoscalingPolicyConfig, load_policy
+from serve_app.autoscaling.config import AutoscalingPolicyConfig, load_policy
+from serve_app.autoscaling.policy import QueueDepthPolicy
 
 BASELINES = ("knative_kpa", "aibrix_kpa", "aibrix_apa", "llmd_saturation", "oracle")
 

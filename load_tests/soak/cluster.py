@@ -52,8 +52,8 @@ class LocalApp:
         import ray
         from ray import serve
 
+        from serve_app.cluster.ingress import prepare_cluster_env
         from serve_app.config import AppConfig
-        from serve_app.ingress import prepare_cluster_env
 
         prepare_cluster_env()  # what `serve run` gets from build_app: the app's ingress
         self.args = app_args

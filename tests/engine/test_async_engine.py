@@ -134,7 +134,7 @@ def test_bad_input_fails_only_that_request(engine):
 
 
 def test_an_error_while_processing_one_request_spares_the_others(engine, monkeypatch):
-    from engine.detokenizer import TextStream
+    from engine.core.detokenizer import TextStream
 
     original = TextStream.add
 

@@ -6,10 +6,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.batch_layout import lay_out
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import SchedulerOutput
+from engine.executor.batch_layout import lay_out
 
 
 def _request(i: int, prompt: list[int], computed: int, blocks: list[int],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.detokenizer import TextStream
+from engine.core.detokenizer import TextStream
 from engine.models.default_model import default_model_path
 from engine.tokenizer import load_tokenizer
 
@@ -59,7 +59,7 @@ def test_rust_decode_is_transformers_decode(tok):
     spaces keeps transformers' own decode."""
     import copy
 
-    from engine.detokenizer import backend_decode
+    from engine.core.detokenizer import backend_decode
 
     fast = backend_decode(tok)
     assert fast is not None and TextStream(tok, [0])._fast == fast

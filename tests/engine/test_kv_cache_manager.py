@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from engine.kv_cache_manager import ROOT_HASH, KVCacheManager, hash_block_tokens
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.core.kv_cache_manager import ROOT_HASH, KVCacheManager, hash_block_tokens
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
 
 
 def req(rid: str, tokens: list[int]) -> Request:

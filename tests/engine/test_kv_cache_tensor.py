@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import torch
 
-from engine.kv_cache_tensor import KVCacheTensor
+from engine.executor.kv_cache_tensor import KVCacheTensor
 
 PAGE = mmap.PAGESIZE
 

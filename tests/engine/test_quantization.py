@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.context import AttentionMetadata, set_context
+from engine.executor.model_runner import weight_bytes
+from engine.layers.context import AttentionMetadata, set_context
 from engine.layers.linear import LinearBase
-from engine.model_runner import weight_bytes
 from kernels import cpu_kernels
 from tests.checkpoints import make_checkpoint
 from tests.engine.test_model_parity import ARCHS, PROMPTS

@@ -1,4 +1,4 @@
-"""``engine.layers.random_sample``: the token a uniform draw picks, against a reference that
+"""``engine.sample.random_sample``: the token a uniform draw picks, against a reference that
 sorts the whole vocabulary (top-k, then top-p on what top-k kept, then min-p), on every path:
 the whole vocabulary, ``torch.topk`` candidates, the top-p nucleus (the C kernel's threshold and
 the sort that stands in for it elsewhere), the draw by blocks."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.layers import random_sample
-from engine.layers.random_sample import _draw, sample
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
+from engine.sample import random_sample
+from engine.sample.random_sample import _draw, sample
 from kernels import ops
 
 

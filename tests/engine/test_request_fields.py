@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.layers import sampler
-from engine.layers.logits_processors import bad_words_ids, banned_tokens
+from engine.sample import sampler
+from engine.sample.logits_processors import bad_words_ids, banned_tokens
 from tests.checkpoints import make_checkpoint
 
 PROMPT = [0, *range(200, 229)]  # 30 tokens: several blocks of 8

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.layers.sampler import Sampler
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
+from engine.sample.sampler import Sampler
 
 
 def make(prompt, output, eos=frozenset({9}), **params):
@@ -47,7 +47,7 @@ def test_repetition_penalty_covers_prompt_and_output():
 def test_penalties_kept_step_by_step_equal_penalties_from_scratch():
     """A request's seen tokens and output counts are updated a step at a time: the penalized
     logits equal those computed from its whole sequence anew, batch after batch."""
-    from engine.layers.logits_processors import SeenTokens
+    from engine.sample.logits_processors import SeenTokens
 
     gen = torch.Generator().manual_seed(4)
     kinds = [dict(repetition_penalty=1.3), dict(presence_penalty=0.7, frequency_penalty=0.4),

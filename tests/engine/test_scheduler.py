@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from engine.config import SchedulerConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
 
 
 def make(num_blocks=16, block_size=4, budget=16, max_seqs=8, prefix=False,

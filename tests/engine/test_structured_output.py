@@ -1,4 +1,4 @@
-"""Structured output on the engine (engine/structured_output.py, xgrammar): the random test
+"""Structured output on the engine (engine/grammar/structured_output.py, xgrammar): the random test
 model's text is noise, so the grammar alone makes each output valid. Every JSON-schema output
 parses and validates (``jsonschema``); regex and choice outputs match; ``n=2``, streaming
 (``AsyncEngine``), sampling, a batch mixing constrained and free rows, ``max_tokens`` reached
@@ -15,7 +15,7 @@ import pytest
 
 from engine import LLM, SamplingParams, StructuredOutputsParams
 from engine.async_engine import AsyncEngine
-from engine.structured_output import choice_ebnf
+from engine.grammar.structured_output import choice_ebnf
 from tests.checkpoints import make_checkpoint
 
 pytest.importorskip("xgrammar")

@@ -27,8 +27,8 @@ from engine.distributed import (
     init_tp_group,
     open_store,
 )
+from engine.executor.tp_ranks import check_device_count
 from engine.llm_engine import TensorParallelError
-from engine.tp_ranks import check_device_count
 from tests.checkpoints import make_checkpoint, make_compressed_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -82,7 +82,7 @@ def test_the_image_has_the_launcher_where_the_chart_names_it():
     text = DOCKERFILE.read_text()
     assert f'test "$(command -v pagedserve-haproxy)" = {LAUNCHER}' in text
     pyproject = (ROOT / "pyproject.toml").read_text()
-    assert re.search(r'^pagedserve-haproxy = "serve_app\.haproxy_launcher:main"$', pyproject, re.M)
+    assert re.search(r'^pagedserve-haproxy = "serve_app\.cluster\.haproxy_launcher:main"$', pyproject, re.M)
 
 
 FAKE_EXEC = """\
@@ -93,7 +93,7 @@ def execv(path, argv):
     sys.exit(0)
 os.execv = execv
 sys.argv = ["pagedserve-haproxy", "-db", "-f", sys.argv[1]]
-from serve_app.haproxy_launcher import main
+from serve_app.cluster.haproxy_launcher import main
 main()
 """
 
@@ -115,7 +115,7 @@ def ray_haproxy_config(folder) -> str:
 
 def test_the_launcher_binds_the_admin_ports_to_loopback_then_becomes_haproxy(tmp_path,
                                                                              monkeypatch):
-    from serve_app.haproxy_launcher import bundled_haproxy
+    from serve_app.cluster.haproxy_launcher import bundled_haproxy
 
     monkeypatch.delenv("RAY_SERVE_HAPROXY_BINARY_PATH", raising=False)
     haproxy = bundled_haproxy()

@@ -251,7 +251,7 @@ def resources(cubin: bytes) -> dict[str, int]:
 
 def runs_on(v: dict[str, Any], target: str) -> bool:
     """fp8 E4M3 tensors need compute capability 8.9+ (Ada, Hopper): Triton rejects them for
-    sm_80, and the engine refuses an fp8 KV cache there (``engine/kv_cache_tensor.py``)."""
+    sm_80, and the engine refuses an fp8 KV cache there (``engine/executor/kv_cache_tensor.py``)."""
     return "*fp8e4nv" not in v["signature"].values() or TARGETS[target] >= 89
 
 

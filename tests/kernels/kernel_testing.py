@@ -76,7 +76,7 @@ def build_paged_batch(
     else:  # huge cache: allocate lazily, touch only the blocks in use
         kv = torch.empty(num_blocks, 2, block_size, num_kv_heads, head_size, dtype=dtype, device=device)
         # The references gather block 0 for -1 table entries and mask it out; uninitialised
-        # memory (recycled when glibc keeps freed memory, see engine/cpu_runtime.py) can hold
+        # memory (recycled when glibc keeps freed memory, see engine/executor/cpu_runtime.py) can hold
         # NaN, which a zero softmax weight does not cancel.
         kv[0].zero_()
     table = torch.full((len(seq_lens), max(blocks_per_seq) + 1), -1, dtype=torch.int32)

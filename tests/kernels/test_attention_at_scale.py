@@ -73,7 +73,7 @@ def test_nan_in_unowned_cache_slots_never_reaches_an_output(device):
 
 
 def test_graph_padded_batch_gives_each_real_row_its_own_result(device):
-    """As ``engine/cuda_graphs.py`` pads a decode batch up to its bucket: extra rows of one
+    """As ``engine/executor/cuda_graphs.py`` pads a decode batch up to its bucket: extra rows of one
     query token with seq_len 1 and a block table of zeros (block 0, here NaN-filled), stale
     block ids past each real sequence's blocks, and max_seq_len the model's limit."""
     real = build_paged_batch([300, 5, 77], [1, 1, 1], 8, 2, 64, 16, _dtype(device), device,

@@ -52,7 +52,7 @@ def local_ray(num_cpus: int = 8, **init_kwargs):
     import ray
     from ray import serve
 
-    from serve_app.ingress import prepare_cluster_env
+    from serve_app.cluster.ingress import prepare_cluster_env
 
     prepare_cluster_env()  # what build_app does before `serve run` starts Ray: same ingress
     os.environ["PYTHONPATH"] = os.pathsep.join(

@@ -1,4 +1,4 @@
-"""Admission by predicted wait (``serve_app.admission``) on a scripted queue and clock: exact
+"""Admission by predicted wait (``serve_app.router.admission``) on a scripted queue and clock: exact
 429-or-admit decisions and ``Retry-After`` values; the hard cap beside it; holding while a Worker
 starts; and a real Router's HTTP answer (429, ``Retry-After``, OpenAI-style JSON body) when the
 scripted Workers' stats predict too long a wait."""
@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from engine.sampling_params import SamplingParams
-from serve_app.admission import Admission, QueueView, Rejected, retry_after
-from serve_app.batcher import EngineRequest
+from engine.core.sampling_params import SamplingParams
 from serve_app.config import AppConfig
+from serve_app.router.admission import Admission, QueueView, Rejected, retry_after
+from serve_app.router.batcher import EngineRequest
 from tests.serve.test_hardening import _processor
 from tests.serve.test_worker_metrics import recorded  # noqa: F401  (Ray's metric classes, stubbed)
 
@@ -128,7 +128,7 @@ def _post_to_router(monkeypatch, config: AppConfig, routing_stats: list[dict],
     """One completion request to a real Router (no cluster: its Worker handle never answers)."""
     from ray import serve
 
-    from serve_app import router as router_module
+    from serve_app.router import router as router_module
 
     # the Router class as written (Serve's ingress wraps it): its routes take any instance
     user_cls = next(c for c in router_module.Router.func_or_class.__mro__ if "_run" in c.__dict__)

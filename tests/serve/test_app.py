@@ -827,7 +827,7 @@ def test_tokenize_detokenize_version_and_model_by_id(url, model_path, offline):
 
 def test_system_fingerprint_and_stop_reason(url, model_path, offline):
     from engine import SamplingParams
-    from serve_app.endpoints import _fingerprint, pagedserve_version
+    from serve_app.router.endpoints import _fingerprint, pagedserve_version
 
     fingerprint = _fingerprint(pagedserve_version(), model_path, "float32", None, "float32")
     client = _client(url)

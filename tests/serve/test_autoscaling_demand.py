@@ -11,9 +11,9 @@ import pytest
 from ray.serve._private.common import DeploymentID, ReplicaID, TimeStampedValue
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-from serve_app.autoscaling import STATE_KEY, QueueDepthPolicy
-from serve_app.autoscaling_config import load_policy
-from serve_app.autoscaling_signals import (
+from serve_app.autoscaling.config import load_policy
+from serve_app.autoscaling.policy import STATE_KEY, QueueDepthPolicy
+from serve_app.autoscaling.signals import (
     DEMAND_ARRIVALS,
     DEMAND_WAITING,
     FINISHED_PER_S,
@@ -240,7 +240,7 @@ def test_serve_default_policy_is_selectable_for_comparison():
                         "max_replicas": 3})
     serve_cfg = AutoscalingConfig(**spec.serve_autoscaling_config())
     assert serve_cfg.target_ongoing_requests == 3
-    assert serve_cfg.policy.policy_function != "serve_app.autoscaling:QueueDepthPolicy"
+    assert serve_cfg.policy.policy_function != "serve_app.autoscaling.policy:QueueDepthPolicy"
     with pytest.raises(ValueError, match="policy: Input should be 'queue_depth' or "
                                          "'serve_default'"):
         load_policy({"policy": "knative"})

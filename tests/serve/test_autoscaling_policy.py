@@ -15,13 +15,13 @@ from ray.serve.autoscaling_policy import _apply_autoscaling_config
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from serve_app.app import build_app, worker_options
-from serve_app.autoscaling import STATE_KEY, QueueDepthPolicy
-from serve_app.autoscaling_config import (
+from serve_app.autoscaling.config import (
     POLICY_DIR,
     AutoscalingPolicyConfig,
     bundled_policies,
     load_policy,
 )
+from serve_app.autoscaling.policy import STATE_KEY, QueueDepthPolicy
 from serve_app.config import AppConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -200,7 +200,7 @@ def test_bundled_policies_load_and_serve_accepts_them():
             if line and not line.startswith("#"):
                 assert lines[i - 1].startswith("# "), (name, line)
         serve_cfg = AutoscalingConfig(**load_policy(name).serve_autoscaling_config())
-        assert serve_cfg.policy.policy_function == "serve_app.autoscaling:QueueDepthPolicy"
+        assert serve_cfg.policy.policy_function == "serve_app.autoscaling.policy:QueueDepthPolicy"
     assert load_policy("scale_to_zero").min_replicas == 0
 
 

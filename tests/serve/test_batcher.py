@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from engine.sampling_params import SamplingParams
-from serve_app.batcher import Batch, DynamicBatcher, EngineRequest
+from engine.core.sampling_params import SamplingParams
+from serve_app.router.batcher import Batch, DynamicBatcher, EngineRequest
 
 
 def _req(n_tokens: int = 4) -> EngineRequest:

@@ -24,7 +24,7 @@ import big_prompt_itl  # noqa: E402
 import serving_benchmark  # noqa: E402
 from stream_check import StreamCount, failure  # noqa: E402
 
-# what this app's Router sends when a request fails mid-stream (serve_app/router.py, _sse)
+# what this app's Router sends when a request fails mid-stream (serve_app/router/router.py, _sse)
 ERROR_EVENT = {"error": {"message": "Worker died", "type": "internal_server_error",
                          "param": None, "code": None}}
 
@@ -195,11 +195,11 @@ def test_stream_check_verdicts():
 
 
 def test_this_apps_own_stream_passes_and_its_error_event_fails():
-    """The Router's shapes (serve_app/responses.py, router.py's _sse): merged steps, a token
+    """The Router's shapes (serve_app/router/responses.py, router.py's _sse): merged steps, a token
     whose text is held back, usage, [DONE]; and a request failing mid-stream."""
-    from serve_app.errors import APIError
-    from serve_app.responses import SSE_DONE, CompletionFormat, sse
-    from serve_app.streams import Delta, Usage
+    from serve_app.protocol.errors import APIError
+    from serve_app.router.responses import SSE_DONE, CompletionFormat, sse
+    from serve_app.router.streams import Delta, Usage
 
     def stream(steps_sent: int, tail: list[str]) -> StreamCount:
         fmt = CompletionFormat("cmpl-1", "m", None, 1, prompt_token_ids=[[1, 2, 3]])

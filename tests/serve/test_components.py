@@ -22,10 +22,10 @@ from serve_app.app import (
     fit_reservations,
     worker_options,
 )
+from serve_app.cluster.ingress import local_cluster_cpus, serve_at_normal_priority, use_fast_ingress
 from serve_app.config import AppConfig
-from serve_app.errors import APIError
-from serve_app.ingress import local_cluster_cpus, serve_at_normal_priority, use_fast_ingress
-from serve_app.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from serve_app.protocol.errors import APIError
+from serve_app.protocol.requests import ChatCompletionRequest, CompletionRequest, parse_request
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""The Routers' demand signals (``serve_app.demand``) on a scripted clock: the Router's rates
+"""The Routers' demand signals (``serve_app.router.demand``) on a scripted clock: the Router's rates
 over its last 2 s and its waiting count, its reports to every Worker replica, the Worker's
 board of reports (3 s expiry, sums over Routers) and finished requests/s, and what a real
 Worker adds to ``record_autoscaling_stats`` and ``record_routing_stats``."""
@@ -10,15 +10,15 @@ import logging
 
 import pytest
 
-from engine.sampling_params import SamplingParams
-from serve_app.autoscaling_signals import (
+from engine.core.sampling_params import SamplingParams
+from serve_app.autoscaling.signals import (
     DEMAND_ARRIVALS,
     DEMAND_PROMPT_TPS,
     DEMAND_WAITING,
     FINISHED_PER_S,
 )
-from serve_app.batcher import EngineRequest
-from serve_app.demand import DemandBoard, DemandReporter, unrouted
+from serve_app.router.batcher import EngineRequest
+from serve_app.router.demand import DemandBoard, DemandReporter, unrouted
 from serve_app.wire import WorkerRequest
 from tests.serve.test_worker import _params, _run, config  # noqa: F401  (fixture)
 from tests.serve.test_worker_metrics import recorded  # noqa: F401  (Ray's metric classes, stubbed)

@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import LLMEngine, SamplingParams
-from serve_app.errors import APIError
-from serve_app.prompts import PromptProcessor
-from serve_app.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from serve_app.protocol.errors import APIError
+from serve_app.protocol.requests import ChatCompletionRequest, CompletionRequest, parse_request
+from serve_app.router.prompts import PromptProcessor
 from tests.checkpoints import make_checkpoint
 from tests.engine.test_isolation import run_until_idle
 

@@ -210,8 +210,9 @@ def test_vllm_naming_dashboard_reads_only_series_that_naming_exports(recorded): 
     """Built for ``metrics_naming: vllm``, every pagedserve series the dashboard queries is one
     the Worker and Router metrics create under that naming (the pagedserve naming is checked
     against a live scrape in ``test_metrics.py``), and replicas are selected by ``ReplicaId``."""
-    from serve_app import metrics, router_metrics
-    from serve_app.metric_names import Naming
+    from serve_app.metrics import router as router_metrics
+    from serve_app.metrics import worker as metrics
+    from serve_app.metrics.names import Naming
     from tests.serve.test_worker_metrics import FakeEngine
 
     naming = Naming("vllm")
@@ -231,6 +232,6 @@ def test_vllm_naming_dashboard_reads_only_series_that_naming_exports(recorded): 
 
 
 def _vllm_key(name):
-    from serve_app.metric_names import VLLM_NAMES
+    from serve_app.metrics.names import VLLM_NAMES
 
     return next(k for k, v in VLLM_NAMES.items() if "vllm_" + v == name)

@@ -14,11 +14,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.sampling_params import SamplingParams
-from serve_app.batcher import EngineRequest
-from serve_app.errors import APIError
-from serve_app.prompts import PromptProcessor
-from serve_app.protocol import CompletionRequest, parse_request
+from engine.core.sampling_params import SamplingParams
+from serve_app.protocol.errors import APIError
+from serve_app.protocol.requests import CompletionRequest, parse_request
+from serve_app.router.batcher import EngineRequest
+from serve_app.router.prompts import PromptProcessor
 
 
 class _Tokenizer:
@@ -90,8 +90,8 @@ def test_an_empty_or_padded_api_key_is_a_start_up_error(key, message):
 def test_admission_counts_sequences_not_prompts():
     """A prompt with ``n`` choices is ``n`` sequences against ``max_waiting_requests``: one
     request with n=16 once counted as 1 and could hold the whole engine."""
-    from serve_app.admission import Admission
-    from serve_app.router import Router
+    from serve_app.router.admission import Admission
+    from serve_app.router.router import Router
 
     cls = Router.func_or_class
     waiting = [EngineRequest([1, 2], SamplingParams(n=3)), EngineRequest([1], SamplingParams())]

@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serve_app.ingress import (
+from serve_app.cluster.ingress import (
     haproxy_launcher,
     loopback_admin_binds,
     prepare_cluster_env,
@@ -55,7 +55,8 @@ def _python(code: str, **env: str) -> str:
 
 
 def test_importing_serve_app_changes_no_environment():
-    modules = sorted(f"serve_app.{p.stem}" for p in (ROOT / "serve_app").glob("[!_]*.py"))
+    modules = sorted(".".join(p.relative_to(ROOT).with_suffix("").parts)
+                     for p in (ROOT / "serve_app").rglob("[!_]*.py"))
     changed = json.loads(_python(f"""
 import importlib, json, os
 
@@ -112,7 +113,7 @@ print(json.dumps([{k: v for k, v in os.environ.items() if before.get(k) != v},
 
 def test_a_shell_can_take_the_same_env_but_the_mode_switches():
     exported = dict(line.removeprefix("export ").split("=", 1)
-                    for line in _python("import runpy; runpy.run_module('serve_app.ingress', "
+                    for line in _python("import runpy; runpy.run_module('serve_app.cluster.ingress', "
                                         "run_name='__main__')").splitlines())
     assert exported.pop("RAY_SERVE_HAPROXY_BINARY_PATH").rsplit("/", 1)[1].startswith("haproxy-")
     assert exported.keys() == {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_worker_niceness",

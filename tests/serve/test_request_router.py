@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 
-from serve_app.request_router import WorkerRequestRouter, prefix_hashes
+from serve_app.cluster.request_router import WorkerRequestRouter, prefix_hashes
 
 
 def _router(**kwargs) -> WorkerRequestRouter:
@@ -94,7 +94,7 @@ def test_prefix_hashes_are_chained_and_skip_the_last_token():
 def test_a_retried_batch_never_goes_back_to_the_dead_replica():
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 
-    from serve_app.request_router import WorkerRequestRouter
+    from serve_app.cluster.request_router import WorkerRequestRouter
 
     dep = DeploymentID(name="WorkerHardening", app_name="t")
     router = WorkerRequestRouter(deployment_id=dep, handle_source=DeploymentHandleSource.UNKNOWN)

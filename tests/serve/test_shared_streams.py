@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
-from engine.sampling_params import SamplingParams
-from serve_app.batcher import Batch, EngineRequest
+from engine.core.sampling_params import SamplingParams
+from serve_app.router.batcher import Batch, EngineRequest
+from serve_app.router.worker_client import WorkerClient
 from serve_app.wire import DonePart, ErrorPart, StreamAttach, TokenPart
-from serve_app.worker_client import WorkerClient
 from tests.serve.worker_scripts import GatedStream, ScriptedHandle, queued, step
 
 
@@ -87,7 +87,7 @@ def test_a_join_answered_before_the_stream_opens_here_waits_for_it():
 
 
 def test_a_join_to_a_stream_that_never_opens_here_is_a_503(monkeypatch):
-    from serve_app import worker_client
+    from serve_app.router import worker_client
 
     monkeypatch.setattr(worker_client, "CONTROL_TIMEOUT_S", 0.05)
 

@@ -25,8 +25,8 @@ from ray.serve import Deployment
 
 from serve_app.app import actor_options, worker_options
 from serve_app.config import AppConfig
-from serve_app.router import REPLICA_HEADER, Router
-from serve_app.worker import Worker, build_engine
+from serve_app.router.router import REPLICA_HEADER, Router
+from serve_app.worker.worker import Worker, build_engine
 
 from .cluster import local_ray, make_tiny_checkpoint, wait_until
 

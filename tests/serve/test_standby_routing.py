@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 
-from serve_app.request_router import WorkerRequestRouter
+from serve_app.cluster.request_router import WorkerRequestRouter
 
 DEPLOYMENT = DeploymentID(name="WorkerStandbyTest", app_name="t")
 

@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from engine import stats
 from engine.async_engine import AsyncEngine
-from engine.stats import StartClock
+from engine.core import stats
+from engine.core.stats import StartClock
 from serve_app.config import AppConfig
-from serve_app.worker import Worker
+from serve_app.worker.worker import Worker
 from tests.checkpoints import make_checkpoint
 from tests.serve.test_worker_metrics import recorded  # noqa: F401  (Ray's metric classes, stubbed)
 

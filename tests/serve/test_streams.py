@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from engine.sampling_params import SamplingParams
-from serve_app.batcher import EngineRequest
-from serve_app.streams import ResponseStream
+from engine.core.sampling_params import SamplingParams
+from serve_app.router.batcher import EngineRequest
+from serve_app.router.streams import ResponseStream
 from serve_app.wire import DonePart, TokenPart
 
 
@@ -50,7 +50,7 @@ def test_stop_reason_names_the_stop_string_or_stop_token_id():
     from transformers import AutoTokenizer
 
     from engine.models.default_model import default_model_path
-    from serve_app.responses import ChatFormat, CompletionFormat
+    from serve_app.router.responses import ChatFormat, CompletionFormat
 
     tok = AutoTokenizer.from_pretrained(str(default_model_path()))
     ids = tok("The quick brown fox jumps", add_special_tokens=False).input_ids
@@ -86,9 +86,9 @@ def test_stop_reason_names_the_stop_string_or_stop_token_id():
 def test_return_token_ids_in_chunks_and_final_responses():
     """vLLM's ``return_token_ids``: each choice's ids (a stream's chunks: their new ones, held
     text's ids included), the prompt's once per completion choice or per chat response."""
-    from serve_app.responses import ChatFormat, CompletionFormat
-    from serve_app.streams import Delta
-    from serve_app.tools import ToolPlan
+    from serve_app.protocol.tools import ToolPlan
+    from serve_app.router.responses import ChatFormat, CompletionFormat
+    from serve_app.router.streams import Delta
 
     prompts = [[5, 6], [7, 8, 9]]
 

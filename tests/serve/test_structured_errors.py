@@ -13,15 +13,15 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine.async_engine import AsyncEngine
-from engine.sampling_params import SamplingParams
-from engine.structured_output import StructuredOutputsParams
-from serve_app.batcher import Batch, EngineRequest
+from engine.core.sampling_params import SamplingParams
+from engine.grammar.structured_output import StructuredOutputsParams
 from serve_app.config import AppConfig
-from serve_app.errors import APIError
-from serve_app.prompts import PromptProcessor
-from serve_app.streams import ResponseStream
-from serve_app.worker import Worker
-from serve_app.worker_client import fan_out
+from serve_app.protocol.errors import APIError
+from serve_app.router.batcher import Batch, EngineRequest
+from serve_app.router.prompts import PromptProcessor
+from serve_app.router.streams import ResponseStream
+from serve_app.router.worker_client import fan_out
+from serve_app.worker.worker import Worker
 from tests.checkpoints import make_checkpoint
 from tests.engine.test_grammar_deadline import SLOW_GRAMMAR
 from tests.serve.test_fuzz_requests import BASE, _handle

@@ -11,9 +11,9 @@ from pydantic import ValidationError
 
 from engine import LLM, SamplingParams
 from serve_app.config import AppConfig
-from serve_app.errors import APIError
-from serve_app.prompts import PromptProcessor
-from serve_app.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from serve_app.protocol.errors import APIError
+from serve_app.protocol.requests import ChatCompletionRequest, CompletionRequest, parse_request
+from serve_app.router.prompts import PromptProcessor
 from tests.checkpoints import make_checkpoint
 
 THINKING = ("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"

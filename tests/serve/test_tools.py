@@ -1,4 +1,4 @@
-"""Tool calling (serve_app/tools.py): requests checked, the grammar of ``required`` and named
+"""Tool calling (serve_app/protocol/tools.py): requests checked, the grammar of ``required`` and named
 choices held by the engine on the random test model (whose text is noise: only the grammar
 can make it valid calls), the parsers of ``auto`` (hermes, llama3_json), messages that carry
 calls and results reaching the chat template, and the response shapes (JSON and stream)."""
@@ -14,12 +14,12 @@ import pytest
 from engine import LLM
 from engine.models.default_model import default_model_path
 from engine.tokenizer import load_tokenizer
-from serve_app.errors import APIError
-from serve_app.prompts import PromptProcessor
-from serve_app.protocol import ChatCompletionRequest
-from serve_app.responses import ChatFormat
-from serve_app.streams import Delta
-from serve_app.tools import ToolPlan, template_has_tools
+from serve_app.protocol.errors import APIError
+from serve_app.protocol.requests import ChatCompletionRequest
+from serve_app.protocol.tools import ToolPlan, template_has_tools
+from serve_app.router.prompts import PromptProcessor
+from serve_app.router.responses import ChatFormat
+from serve_app.router.streams import Delta
 from tests.checkpoints import make_checkpoint
 
 pytest.importorskip("xgrammar")

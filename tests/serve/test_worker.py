@@ -11,13 +11,13 @@ import time
 import pytest
 
 from engine.async_engine import AsyncEngine
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from serve_app.config import AppConfig
-from serve_app.errors import APIError
-from serve_app.prompts import PromptProcessor
-from serve_app.protocol import CompletionRequest, parse_request
+from serve_app.protocol.errors import APIError
+from serve_app.protocol.requests import CompletionRequest, parse_request
+from serve_app.router.prompts import PromptProcessor
 from serve_app.wire import DonePart, ErrorPart, StepMessage, StreamAttach, WorkerRequest
-from serve_app.worker import Worker
+from serve_app.worker.worker import Worker
 from tests.checkpoints import make_checkpoint
 from tests.serve.test_worker_metrics import recorded  # noqa: F401  (Ray's metric classes, stubbed)
 
@@ -188,9 +188,9 @@ def test_a_stalled_engine_answers_503_fails_its_health_check_and_refuses_new_bat
     raises the same message, its routing report says ``stopped``, and a new batch is refused at
     once, not queued."""
     from engine.health import EngineStalledError
-    from serve_app.batcher import Batch, EngineRequest
-    from serve_app.streams import ResponseStream
-    from serve_app.worker_client import fan_out
+    from serve_app.router.batcher import Batch, EngineRequest
+    from serve_app.router.streams import ResponseStream
+    from serve_app.router.worker_client import fan_out
     from tests.engine.test_step_watchdog import STALL, Hang
 
     engine_cfg = config.engine.model_copy(deep=True)

@@ -16,10 +16,10 @@ from types import SimpleNamespace
 
 from ray.exceptions import ActorDiedError
 
-from engine.sampling_params import SamplingParams
-from serve_app.batcher import Batch, EngineRequest
+from engine.core.sampling_params import SamplingParams
+from serve_app.router.batcher import Batch, EngineRequest
+from serve_app.router.worker_client import WorkerClient, fan_out
 from serve_app.wire import DonePart, ErrorPart, StepMessage, StreamAttach, TokenPart
-from serve_app.worker_client import WorkerClient, fan_out
 from tests.serve.worker_scripts import ScriptedHandle, queued, step
 
 
@@ -78,7 +78,7 @@ def test_leaving_early_aborts_at_the_replica_or_cancels_the_batch():
     """A routed request is aborted at its replica (its stream may carry other batches'
     requests, so the call is never cancelled for it); a batch not at a Worker yet whose
     clients all left is dropped by cancelling its call."""
-    from serve_app.worker_client import WorkerClient
+    from serve_app.router.worker_client import WorkerClient
 
     async def run():
         handle = _FakeHandle()

@@ -1,4 +1,4 @@
-"""``serve_app.metrics`` without Ray: what each hook records, with stand-ins for Ray's metric
+"""``serve_app.metrics.worker`` without Ray: what each hook records, with stand-ins for Ray's metric
 classes (the end-to-end export is ``test_metrics.py``)."""
 
 from __future__ import annotations
@@ -7,9 +7,11 @@ import asyncio
 
 import pytest
 
-from engine.outputs import CompletionOutput, RequestOutput
-from serve_app import metric_names, metrics, router_metrics
-from serve_app.metric_names import Naming
+from engine.core.outputs import CompletionOutput, RequestOutput
+from serve_app.metrics import names as metric_names
+from serve_app.metrics import router as router_metrics
+from serve_app.metrics import worker as metrics
+from serve_app.metrics.names import Naming
 
 
 class _Recorder:
@@ -198,7 +200,7 @@ def test_http_middleware_counts_into_the_metrics_it_is_given(recorded):
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from serve_app.router import Router
+    from serve_app.router.router import Router
 
     rm = router_metrics.RouterMetrics("m", "router1")
     app = FastAPI()

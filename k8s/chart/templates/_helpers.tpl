@@ -132,7 +132,7 @@ Where deploy/Dockerfile's image has the pagedserve-haproxy command (the package'
 the image's build checks the path). Serve starts it as HAProxy: it binds HAProxy's statistics
 page (8404) and Prometheus exporter (9101), which Ray's config binds to every interface, to
 127.0.0.1, ties HAProxy to the actor that starts it, then becomes HAProxy
-(serve_app/haproxy_launcher.py).
+(serve_app/cluster/haproxy_launcher.py).
 */}}
 {{- define "pagedserve.haproxyLauncher" -}}/home/ray/anaconda3/bin/pagedserve-haproxy{{- end -}}
 
