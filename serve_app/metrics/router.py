@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from serve_app.metrics.common import counter, histogram, replica_id, served_model_name
 from serve_app.metrics.names import BATCH_BUCKETS, TTFT_BUCKETS, Naming
-from serve_app.metrics.worker import counter, histogram, replica_id, served_model_name
 
 
 class RouterMetrics:

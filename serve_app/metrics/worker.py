@@ -1,10 +1,4 @@
-"""Prometheus metrics of the serving layer, named after vLLM's, through ``ray.util.metrics``.
-
-Ray's metrics agent on every node serves them on its metrics-export port, with ``ray_`` before
-the name. ``serve_app/metrics/names.py`` says what each series is called in the two spellings
-(``metrics_naming``: pagedserve's own ``pagedserve_*``, the default, or vLLM's ``vllm_*`` as Ray
-Serve LLM exports them) and which labels every series carries (the served model name and
-Serve's replica id, besides the labels Ray adds: ``WorkerId``, ...).
+"""A Worker replica's engine metrics, named after vLLM's (see ``serve_app.metrics.common``).
 
 The engine stays free of Ray: it puts per-request timings and token counts on its final
 ``RequestOutput.metrics`` and keeps per-step records and counters
@@ -14,8 +8,6 @@ each request ends (``WorkerMetrics.track``), gauges, counters and step histogram
 one float appended per streamed output for the inter-token latency. Time to first token is the
 Router's (from the request's arrival at the HTTP server, as vLLM measures it); the engine's own
 figure is ``engine_time_to_first_token_seconds``.
-
-``deploy/grafana/README.md`` lists every exported series.
 """
 
 from __future__ import annotations
@@ -25,11 +17,12 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import Any, Literal, Protocol, cast
+from typing import Any, Literal, Protocol
 
-from ray.util.metrics import Counter, Gauge, Histogram
+from ray.util.metrics import Gauge
 
 from engine import EngineStats, RequestOutput
+from serve_app.metrics.common import counter, histogram, metric, served_model_name
 from serve_app.metrics.names import (
     E2E_BUCKETS,
     ITL_BUCKETS,
@@ -87,39 +80,6 @@ _REQUEST_HISTOGRAMS: dict[str, tuple[str, Sequence[float]]] = {
                                   REQUEST_TOKEN_BUCKETS),
 }
 
-_defined: dict[str, Any] = {}  # one Ray metric object per name and process
-
-
-def _metric(kind: type, naming: Naming, key: str, description: str, extra: tuple[str, ...] = (),
-            **kwargs: Any) -> Any:
-    name = naming.name(key)
-    if name not in _defined:
-        _defined[name] = kind(name, description, tag_keys=naming.labels + extra, **kwargs)
-    return _defined[name]
-
-
-def histogram(naming: Naming, key: str, description: str, buckets: Sequence[float]) -> Histogram:
-    return cast(Histogram, _metric(Histogram, naming, key, description,
-                                   boundaries=list(buckets)))
-
-
-def counter(naming: Naming, key: str, description: str, extra: tuple[str, ...] = ()) -> Counter:
-    return cast(Counter, _metric(Counter, naming, key, description, extra))
-
-
-def served_model_name(cfg: Any) -> str:
-    """The ``model_name`` label: the name clients use (as vLLM's ``model_name``)."""
-    from engine import DEFAULT_MODEL_NAME
-
-    return cfg.served_model_name or cfg.engine.model.model or DEFAULT_MODEL_NAME
-
-
-def replica_id() -> str:
-    from ray import serve
-
-    return serve.get_replica_context().replica_id.unique_id
-
-
 def rss_bytes() -> int:
     """This process's resident memory (Linux /proc; 0 elsewhere), for leak checks."""
     try:
@@ -164,9 +124,9 @@ class WorkerMetrics:
         self._engine = engine
         self._tags = naming.tags(model_name, replica)
         for key, labels in (info or {}).items():
-            _metric(Gauge, naming, key, "1; its labels say the settings in use.",
+            metric(Gauge, naming, key, "1; its labels say the settings in use.",
                     extra=tuple(labels)).set(1.0, tags={**self._tags, **labels})
-        self._gauges = {stat: _metric(Gauge, naming, name, description)
+        self._gauges = {stat: metric(Gauge, naming, name, description)
                         for stat, (name, description) in _ENGINE_GAUGES.items()}
         self._counters = {stat: counter(naming, name, description)
                           for stat, (name, description) in _ENGINE_COUNTERS.items()}
@@ -236,10 +196,10 @@ class WorkerMetrics:
         stats = self._engine.get_stats()
         for gauge_stat, gauge in self._gauges.items():
             gauge.set(float(stats[gauge_stat]))
-        for stat, counter in self._counters.items():
+        for stat, total in self._counters.items():
             value = float(stats.get(stat, 0.0))
             if value > self._last[stat]:
-                counter.inc(value - self._last[stat])
+                total.inc(value - self._last[stat])
             self._last[stat] = value
         for duration, tokens in self._engine.pop_step_records():
             self._step_time.observe(duration)

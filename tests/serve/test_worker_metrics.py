@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from engine.core.outputs import CompletionOutput, RequestOutput
+from serve_app.metrics import common
 from serve_app.metrics import names as metric_names
 from serve_app.metrics import router as router_metrics
 from serve_app.metrics import worker as metrics
@@ -35,9 +36,12 @@ class _Recorder:
 @pytest.fixture
 def recorded(monkeypatch):
     for kind in ("Counter", "Gauge", "Histogram"):
-        monkeypatch.setattr(metrics, kind, type(kind, (_Recorder,), {}))
-    monkeypatch.setattr(metrics, "_defined", {})
-    return metrics._defined
+        recorder = type(kind, (_Recorder,), {})
+        for module in (metrics, common):
+            if hasattr(module, kind):
+                monkeypatch.setattr(module, kind, recorder)
+    monkeypatch.setattr(common, "_defined", {})
+    return common._defined
 
 
 def values(defined, name):
