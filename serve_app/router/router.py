@@ -30,7 +30,8 @@ from serve_app.protocol.errors import APIError, install_handlers
 from serve_app.protocol.request_body import read_body
 from serve_app.protocol.requests import ChatCompletionRequest, CompletionRequest, parse_request
 from serve_app.router.admission import Admission, Rejected
-from serve_app.router.batcher import DynamicBatcher, EngineRequest
+from serve_app.router.batch import EngineRequest
+from serve_app.router.batcher import DynamicBatcher
 from serve_app.router.demand import DemandReporter
 from serve_app.router.endpoints import RouterEndpoints, routes, system_fingerprint
 from serve_app.router.prompts import PromptProcessor

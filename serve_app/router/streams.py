@@ -15,7 +15,7 @@ from typing import Any
 
 from engine import Logprobs, PromptLogprobs, TextStream
 from serve_app.protocol.errors import APIError
-from serve_app.router.batcher import EngineRequest
+from serve_app.router.batch import EngineRequest
 from serve_app.wire import AbortReason, DonePart, Part, TokenPart
 
 # (token id, its logprob, top logprobs {token id: logprob}) per generated token

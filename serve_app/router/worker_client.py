@@ -37,7 +37,7 @@ from ray.serve.handle import DeploymentHandle
 
 from serve_app import wire
 from serve_app.cluster.registry import known_replicas
-from serve_app.router.batcher import Batch, EngineRequest
+from serve_app.router.batch import Batch, EngineRequest
 
 logger = logging.getLogger("ray.serve")
 

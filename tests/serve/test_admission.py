@@ -14,7 +14,7 @@ import pytest
 from engine.core.sampling_params import SamplingParams
 from serve_app.config import AppConfig
 from serve_app.router.admission import Admission, QueueView, Rejected, retry_after
-from serve_app.router.batcher import EngineRequest
+from serve_app.router.batch import EngineRequest
 from tests.serve.test_hardening import _processor
 from tests.serve.test_worker_metrics import recorded  # noqa: F401  (Ray's metric classes, stubbed)
 

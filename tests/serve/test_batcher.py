@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 
 from engine.core.sampling_params import SamplingParams
-from serve_app.router.batcher import Batch, DynamicBatcher, EngineRequest
+from serve_app.router.batch import Batch, EngineRequest
+from serve_app.router.batcher import DynamicBatcher
 
 
 def _req(n_tokens: int = 4) -> EngineRequest:

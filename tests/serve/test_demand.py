@@ -17,7 +17,7 @@ from serve_app.autoscaling.signals import (
     DEMAND_WAITING,
     FINISHED_PER_S,
 )
-from serve_app.router.batcher import EngineRequest
+from serve_app.router.batch import EngineRequest
 from serve_app.router.demand import DemandBoard, DemandReporter, unrouted
 from serve_app.wire import WorkerRequest
 from tests.serve.test_worker import _params, _run, config  # noqa: F401  (fixture)

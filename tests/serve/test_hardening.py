@@ -17,7 +17,7 @@ import pytest
 from engine.core.sampling_params import SamplingParams
 from serve_app.protocol.errors import APIError
 from serve_app.protocol.requests import CompletionRequest, parse_request
-from serve_app.router.batcher import EngineRequest
+from serve_app.router.batch import EngineRequest
 from serve_app.router.prompts import PromptProcessor
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from engine.core.sampling_params import SamplingParams
-from serve_app.router.batcher import Batch, EngineRequest
+from serve_app.router.batch import Batch, EngineRequest
 from serve_app.router.worker_client import WorkerClient
 from serve_app.wire import DonePart, ErrorPart, StreamAttach, TokenPart
 from tests.serve.worker_scripts import GatedStream, ScriptedHandle, queued, step

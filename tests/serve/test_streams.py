@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from engine.core.sampling_params import SamplingParams
-from serve_app.router.batcher import EngineRequest
+from serve_app.router.batch import EngineRequest
 from serve_app.router.streams import ResponseStream
 from serve_app.wire import DonePart, TokenPart
 

@@ -17,7 +17,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.grammar.structured_output import StructuredOutputsParams
 from serve_app.config import AppConfig
 from serve_app.protocol.errors import APIError
-from serve_app.router.batcher import Batch, EngineRequest
+from serve_app.router.batch import Batch, EngineRequest
 from serve_app.router.prompts import PromptProcessor
 from serve_app.router.streams import ResponseStream
 from serve_app.router.worker_client import fan_out

@@ -188,7 +188,7 @@ def test_a_stalled_engine_answers_503_fails_its_health_check_and_refuses_new_bat
     raises the same message, its routing report says ``stopped``, and a new batch is refused at
     once, not queued."""
     from engine.health import EngineStalledError
-    from serve_app.router.batcher import Batch, EngineRequest
+    from serve_app.router.batch import Batch, EngineRequest
     from serve_app.router.streams import ResponseStream
     from serve_app.router.worker_client import fan_out
     from tests.engine.test_step_watchdog import STALL, Hang

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 from ray.exceptions import ActorDiedError
 
 from engine.core.sampling_params import SamplingParams
-from serve_app.router.batcher import Batch, EngineRequest
+from serve_app.router.batch import Batch, EngineRequest
 from serve_app.router.worker_client import WorkerClient, fan_out
 from serve_app.wire import DonePart, ErrorPart, StepMessage, StreamAttach, TokenPart
 from tests.serve.worker_scripts import ScriptedHandle, queued, step

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from serve_app.router.batcher import EngineRequest
+from serve_app.router.batch import EngineRequest
 from serve_app.wire import DonePart, Part, StepMessage, TokenPart
 
 
