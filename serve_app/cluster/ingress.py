@@ -101,7 +101,7 @@ def use_fast_ingress(environ: MutableMapping[str, str], cpus: int | None = None)
     HTTP then goes to HAProxy on Serve's port (8000), which forwards to the Router replica's own
     HTTP server ("direct ingress"); replicas talk over gRPC. Through Serve's Python proxy
     instead, every streamed chunk is a message between two Python processes, which on a small
-    machine halves the tokens/s (docs/ARCHITECTURE.md, "Ingress"). A Router replica that stops
+    machine costs a third of the tokens/s (docs/perf/cpu_classes.md). A Router replica that stops
     stays reachable for a while so that load balancers in front can forget it: 30 s by default,
     2 s here, as only HAProxy (told within 0.1 s, and retrying a refused connection elsewhere)
     is in front. HAProxy gets a thread per four CPUs of this machine (1 to 4; Ray's default is
@@ -128,7 +128,7 @@ def serve_at_normal_priority(environ: MutableMapping[str, str]) -> None:
     niceness 15, so that its own daemons stay responsive. The engine is the latency-critical
     process of an inference service: at niceness 15 any ordinary process on the host (an agent,
     a log shipper, a client) preempts its matmul threads, and one preempted thread of a parallel
-    matmul stalls the whole step (docs/ARCHITECTURE.md, "CPU priority", has the measurement).
+    matmul stalls the whole step (docs/perf/cpu_classes.md, "Ray around the engine").
     It is the raylet's setting, so it applies to clusters this process starts (`serve run`);
     clusters started with `ray start` take RAY_worker_niceness from that command's environment
     (the Helm chart sets it). A value already set wins.
@@ -155,7 +155,7 @@ def pace_background_work(environ: MutableMapping[str, str]) -> None:
       0.5 s, not on each of its 10 passes a second (below 1000 files): half its CPU. A new
       worker's first lines reach the driver up to 0.5 s later.
 
-    docs/ARCHITECTURE.md, "Serve's control loop", has the measurements.
+    docs/perf/cpu_classes.md ("What worked") has the measurements.
     """
     for key, value in PACED.items():
         environ.setdefault(key, value)
