@@ -32,12 +32,13 @@ MAX_FILE_LINES = 300
 MAX_FUNCTION_LINES = 50
 FORBIDDEN_IMPORTS = {"kernels": ("engine", "serve_app"), "engine": ("serve_app", "ray")}
 # The one door of each package for the packages above it: the modules they may import.
-DOORS = {("serve_app", "engine"): {"engine"}}
+DOORS = {("serve_app", "engine"): {"engine"},
+         ("engine", "kernels"): {"kernels", "kernels.ops", "kernels.settings"}}
 TOP = "(top)"  # the modules directly in a package, as one wing
 WING_CODE_LINES = {
     "engine": {TOP: 1300, "core": 900, "executor": 900, "grammar": 600, "layers": 900,
                "models": 1200, "sample": 600},
-    "serve_app": {TOP: 700, "autoscaling": 600, "cluster": 450, "metrics": 450,
+    "serve_app": {TOP: 600, "autoscaling": 600, "cluster": 450, "config": 450, "metrics": 450,
                   "protocol": 900, "router": 1600, "worker": 450},
 }
 # Which wings a wing's modules may import (besides its own). The top's modules are split in

@@ -55,7 +55,7 @@ def test_vllm_flags_map_onto_app_config(model_path, tmp_path):
 
 
 def test_every_setting_has_its_flag(capsys):
-    from serve_app.config import _ENGINE_KEYS
+    from serve_app.config.app import _ENGINE_KEYS
 
     assert set(engine_fields()) == _ENGINE_KEYS  # every engine key AppConfig takes flat
     with pytest.raises(SystemExit) as exit_:
