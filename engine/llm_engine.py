@@ -1,8 +1,8 @@
 """``LLMEngine``: the synchronous core. ``add_request`` queues, ``step`` runs one batch and
 returns what changed, ``abort`` drops a request and frees its blocks.
 
-The jobs around it live in their own modules: prompt encoding beside the tokenizer
-(``engine.tokenizer``), the step and its failure isolation (``engine.executor.step_executor``), text and
+The jobs around it live in their own modules: a request's checks and sequences
+(``engine.input_processor``, with prompt encoding beside the tokenizer), the step and its failure isolation (``engine.executor.step_executor``), text and
 outputs (``engine.core.output_processor``), device, thread and length resolution in
 ``engine.config``, the tensor-parallel ranks' start and stop in ``engine.executor.tp_ranks``.
 
@@ -32,12 +32,12 @@ from engine.executor.model_runner import ModelRunner
 from engine.executor.step_executor import StepExecutor, TensorParallelError
 from engine.executor.tp_ranks import check_tp_start, start_ranks, stop_ranks
 from engine.grammar.compiler import Grammars
+from engine.input_processor import InputProcessor
 from engine.loader import resolve_dtype
 from engine.models.generation_config import default_sampling
 from engine.models.hf_config import HFConfig, resolve_max_model_len
 from engine.models.hub import locate_model
-from engine.sample.logits_processors import bad_words_ids, check_vocab_ids
-from engine.tokenizer import PromptType, check_vocab, encode_prompt, eos_token_ids, load_tokenizer
+from engine.tokenizer import PromptType, check_vocab, eos_token_ids, load_tokenizer
 
 if TYPE_CHECKING:
     from engine.executor.tp_ranks import RankGroup, RankLauncher
@@ -92,6 +92,8 @@ class LLMEngine:
         so = config.structured_output
         self.grammars = Grammars(self.tokenizer, self.hf.vocab_size, self.eos_token_ids,
                                  so.grammar_compile_timeout_s, so.grammar_compile_threads)
+        self.inputs = InputProcessor(self.tokenizer, self.hf.vocab_size, self.max_model_len,
+                                     self.eos_token_ids, self.grammars)
         self.prompt_tokens_total = self.generation_tokens_total = 0
         self.start_clock = clock  # its start's phases, for the Worker's breakdown
         self.num_steps = self.num_batched_tokens_total = 0  # (tokens: prefill chunks + decode)
@@ -133,23 +135,11 @@ class LLMEngine:
             self.shutdown()
 
     # ----------------------------------------------------------------- requests in
-    def process_prompt(self, prompt: PromptType, truncate: int | None = None,
-                       ) -> tuple[str | None, list[int]]:
-        """Tokenize and check a prompt (``truncate``: keep its last N tokens); ``ValueError``
-        naming the problem."""
-        return encode_prompt(self.tokenizer, prompt, self.hf.vocab_size, self.max_model_len,
-                             truncate)
-
     def check_request(self, prompt: PromptType, params: SamplingParams,
                       ) -> tuple[str | None, list[int]]:
         """Every check ``add_request`` makes, queueing nothing: ``ValueError`` naming the
         problem, else the prompt's text and token ids."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got "
-                             f"{type(params).__name__}")
-        params.validate()
-        check_vocab_ids(params, self.hf.vocab_size)
-        return self.process_prompt(prompt, params.truncate_prompt_tokens)
+        return self.inputs.check_request(prompt, params)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None,
@@ -159,17 +149,7 @@ class LLMEngine:
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = checked if checked is not None else self.check_request(prompt, params)
-        seqs = [Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, params,
-                        self.eos_token_ids, index=i, group_id=request_id,
-                        arrival_time=arrival_time) for i in range(params.n)]
-        bad_words = bad_words_ids(self.tokenizer, params.bad_words)
-        for child in seqs[1:]:
-            child.parent = seqs[0]
-        for seq in seqs:
-            seq.bad_words = bad_words
-        if params.structured_outputs is not None:
-            for seq in seqs:
-                seq.grammar = self.grammars.state(params.structured_outputs)
+        seqs = self.inputs.sequences(request_id, ids, params, arrival_time)
         self.outputs.add(request_id, text, ids, params, seqs)
         for seq in seqs:
             self.scheduler.add(seq)
