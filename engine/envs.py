@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernels.cpu_isa import CLASSES
+from kernels.settings import ISA_CLASSES
 
 
 @dataclass(frozen=True)
@@ -32,8 +32,8 @@ class Settings:
         cache = (Path(explicit) if explicit
                  else (Path(xdg) if xdg else Path.home() / ".cache") / "pagedserve")
         isa = environ.get("PAGEDSERVE_CPU_ISA", "").strip().lower() or None
-        if isa is not None and isa not in CLASSES:
-            raise ValueError(f"PAGEDSERVE_CPU_ISA must be one of {', '.join(CLASSES)}, "
+        if isa is not None and isa not in ISA_CLASSES:
+            raise ValueError(f"PAGEDSERVE_CPU_ISA must be one of {', '.join(ISA_CLASSES)}, "
                              f"got {isa!r}")
         return cls(cache_dir=cache, cpu_isa=isa,
                    cpu_kernels=environ.get("PAGEDSERVE_CPU_KERNELS", "1") != "0",

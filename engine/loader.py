@@ -62,6 +62,14 @@ def as_tensor(loaded: Loaded) -> torch.Tensor:
     return loaded if isinstance(loaded, torch.Tensor) else loaded.read()
 
 
+def copy_checked(param: torch.Tensor, part: Loaded, name: str) -> None:
+    """Copy ``part`` into ``param``; ``ValueError`` naming ``name`` when their shapes differ."""
+    if param.shape != part.shape:
+        raise ValueError(f"{name}: expected shape {tuple(param.shape)}, checkpoint gives "
+                         f"{tuple(part.shape)}")
+    param.data.copy_(as_tensor(part))
+
+
 def shard(loaded: Loaded, dim: int, index: int, num_shards: int, size: int,
           what: str = "weight") -> torch.Tensor:
     """Part ``index`` of ``num_shards`` equal parts of ``loaded`` along ``dim``, each ``size``
@@ -170,10 +178,10 @@ def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device,
     table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     on_cpu = device.type == "cpu"
     if on_cpu and native_bf16 is None:
-        from kernels.cpu_isa import isa_class
-        from kernels.cpu_isa import native_bf16 as probe
+        from kernels import settings as kernel_settings
 
-        native_bf16 = probe(isa_class(cap=envs.settings().cpu_isa))
+        native_bf16 = kernel_settings.native_bf16(
+            kernel_settings.isa_class(cap=envs.settings().cpu_isa))
     if name != "auto":
         if on_cpu and name in ("bfloat16", "float16") and not native_bf16:
             logger.warning("dtype=%s on a CPU without native bfloat16 (AVX512-BF16 or AMX): its "

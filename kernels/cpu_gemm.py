@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels import cpu_isa, cpu_kernels, settings
+from kernels import cpu_kernels, settings
 
 _PACK_BATCH_HINT = 64  # oneDNN picks its blocking for this M; any M runs on the result
 # A product of more multiply-adds than this takes milliseconds: building its kernel on first use
@@ -49,7 +49,7 @@ def packing_supported(weight: torch.Tensor) -> bool:
         return False
     if weight.dtype == torch.float32:
         return True
-    return weight.dtype == torch.bfloat16 and cpu_isa.native_bf16()
+    return weight.dtype == torch.bfloat16 and settings.native_bf16()
 
 
 class DensePacked(NamedTuple):
@@ -78,7 +78,7 @@ def dense_kernel_used(weight: torch.Tensor) -> bool:
     avx512_bf16 and amx classes, bfloat16 on avx512_bf16 and amx (AMX tiles where the inputs
     are a multiple of 32). Against oneDNN's prepacked products on AMX, offline, alternating
     runs: the 0.5B model in bfloat16 1.08-1.24x, the default model in float32 1.08-1.12x."""
-    return (cpu_isa.isa_class() in ("avx2", "avx512", "avx512_bf16", "amx")
+    return (settings.isa_class() in ("avx2", "avx512", "avx512_bf16", "amx")
             and _dense_panel(weight.dtype) > 0)
 
 

@@ -12,16 +12,15 @@ Classes, lowest first:
 | ``amx`` | AMX-BF16 tiles (Intel Sapphire Rapids and later) | native |
 
 A cap lowers the class (``kernels.settings``' ``isa_cap``, which the engine sets from
-``PAGEDSERVE_CPU_ISA``): the C kernels are then built for it and ``dtype="auto"`` chooses as on
-such a CPU. oneDNN, MKL and ATen have their own caps, read
+``PAGEDSERVE_CPU_ISA``; ``settings.isa_class`` is this machine's class under it): the C kernels
+are then built for it and ``dtype="auto"`` chooses as on such a CPU. This module holds the
+facts only; it reads no switch. oneDNN, MKL and ATen have their own caps, read
 once when the process starts; ``isa_env`` gives all four for a process measuring a class.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
-
-from kernels import settings
 
 CLASSES = ("generic", "avx2", "avx512", "avx512_bf16", "amx")
 _NEEDS = {  # /proc/cpuinfo flags each class needs
@@ -67,24 +66,20 @@ def detect(flags: frozenset[str] | set[str]) -> str:
 
 
 def isa_class(flags: frozenset[str] | set[str] | None = None, cap: str | None = None) -> str:
-    """This machine's class (or the one of ``flags``), lowered to ``cap`` (default: the
-    configured ``isa_cap`` of ``kernels.settings``)."""
-    if cap is None:
-        cap = settings.current().isa_cap
+    """This machine's class (or the one of ``flags``), lowered to ``cap`` (None: no cap)."""
     found = detect(cpu_flags() if flags is None else flags)
     if cap is not None and CLASSES.index(cap) < CLASSES.index(found):
         return cap
     return found
 
 
-def native_bf16(isa: str | None = None) -> bool:
+def native_bf16(isa: str) -> bool:
     """Whether bfloat16 arithmetic is native on this class (dot products in hardware)."""
-    return (isa or isa_class()) in ("avx512_bf16", "amx")
+    return isa in ("avx512_bf16", "amx")
 
 
-def march_flags(isa: str | None = None) -> list[str]:
-    """The C kernels' -march for ``isa`` (default: this machine's, capped)."""
-    isa = isa or isa_class()
+def march_flags(isa: str) -> list[str]:
+    """The C kernels' -march for ``isa`` (``-march=native`` for this machine's own class)."""
     if isa == detect(cpu_flags()):
         return ["-march=native"]
     return [f"-march={_MARCH[isa]}", "-mtune=generic"]

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import offline_throughput as ot  # noqa: E402  (after the path)
 
 from engine.executor.cpu_runtime import keep_freed_memory  # noqa: E402
-from kernels import cpu_gemm, cpu_isa, settings  # noqa: E402
+from kernels import cpu_gemm, settings  # noqa: E402
 from kernels.cpu_gemm import Packed  # noqa: E402
 
 # (in, out) of the 0.5B shape's qkv, o, gate_up and down projections
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
             "onednn_ms": round(med["onednn"] * 1e3, 2),
             "pagedserve_gflops": round(2 * m * macs / med["pagedserve"] / 1e9, 1),
             "speedup": round(med["onednn"] / med["pagedserve"], 3),
-            "cpu_class": cpu_isa.isa_class(), "threads": torch.get_num_threads()}), flush=True)
+            "cpu_class": settings.isa_class(), "threads": torch.get_num_threads()}), flush=True)
 
 
 if __name__ == "__main__":

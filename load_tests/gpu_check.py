@@ -168,11 +168,11 @@ def _bf16() -> Any:
 
 def _generate(llm: Any, backend: str | None = None) -> list[Any]:
     from engine import SamplingParams
-    from kernels import ops
+    from kernels import settings
 
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=TOP)
     inputs = [{"prompt_token_ids": p} for p in PROMPTS]
-    with ops.backend(backend or ops.get_backend()):
+    with settings.backend(backend or settings.current().backend):
         return [o.outputs[0] for o in llm.generate(inputs, params, use_tqdm=False)]
 
 
@@ -239,10 +239,10 @@ def _hf_teacher_forced(path: Path, llm: Any, device: str) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kernels import ops
+    from kernels import settings
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=llm.engine.dtype).to(device).eval()
-    outs = _generate(llm, ops.get_backend())
+    outs = _generate(llm, settings.current().backend)
     agree = near = total = 0
     for prompt, out in zip(PROMPTS, outs):
         ids = torch.tensor([prompt + out.token_ids[:-1]], device=device)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import ops  # noqa: E402
+from kernels import ops, settings  # noqa: E402
 from kernels.paged_attention import gather_kv_ref  # noqa: E402
 
 
@@ -120,7 +120,7 @@ def bench_rotary_and_store(cfg: dict, dev: torch.device, dtype: torch.dtype, ite
     pos = torch.randint(0, 8192, (tokens,), device=dev)
     rope_bytes = 2 * (hq + hk) * d * tokens * qkv.element_size()
     shape = f"T={tokens} Hq={hq} Hk={hk} D={d}"
-    with ops.backend("reference"):
+    with settings.backend("reference"):
         rope_ref = timed(lambda: ops.rotary_embedding(pos, q, k, cache, d), dev, iters)
     rows = [record("rotary_embedding", shape, timed(lambda: ops.rotary_embedding(pos, q, k, cache, d), dev, iters),
                    num_bytes=rope_bytes, copy=copy_gbps(rope_bytes, dtype, dev, iters),
@@ -130,7 +130,7 @@ def bench_rotary_and_store(cfg: dict, dev: torch.device, dtype: torch.dtype, ite
     kv = torch.empty(math.ceil(tokens / bs) + 8, 2, bs, hk, d, device=dev, dtype=dtype)
     slots = torch.randperm(tokens, device=dev)
     store_bytes = 4 * tokens * hk * d * qkv.element_size()
-    with ops.backend("reference"):
+    with settings.backend("reference"):
         store_ref = timed(lambda: ops.store_kv_cache(key, value, kv[:, 0], kv[:, 1], slots), dev, iters)
     rows.append(record("store_kv_cache", shape + f" bs={bs}",
                        timed(lambda: ops.store_kv_cache(key, value, kv[:, 0], kv[:, 1], slots), dev, iters),
@@ -182,7 +182,7 @@ def bench_attention(cfg: dict, dev: torch.device, dtype: torch.dtype, iters: int
                            timed(lambda a=args: ops.paged_attention(*a), dev, iters), num_bytes=kv_bytes,
                            copy=copy_gbps(kv_bytes, dtype, dev, iters), peer="SDPA on gathered KV",
                            peer_seconds=timed(sdpa_dense(args, causal=False), dev, iters)))
-        if name == "decode_long" and dev.type == "cuda" and ops.get_backend() != "reference":
+        if name == "decode_long" and dev.type == "cuda" and settings.current().backend != "reference":
             from kernels.paged_attention import paged_attention_triton
 
             unified = timed(lambda a=args: paged_attention_triton(*a, split_kv=False), dev, iters)
@@ -203,7 +203,7 @@ def bench_mixed(cfg: dict, dev: torch.device, dtype: torch.dtype, iters: int, he
     """One prefill chunk over a cached prefix plus many decodes, in one call."""
     chunk, cached, decodes, ctx = cfg["mixed_chunk"], cfg["mixed_cached"], cfg["decode_batch"] - 1, cfg["decode_ctx"]
     args = paged_batch([cached + chunk] + [ctx] * decodes, [chunk] + [1] * decodes, cfg, dev, dtype)
-    with ops.backend("reference"):
+    with settings.backend("reference"):
         reference = timed(lambda: ops.paged_attention(*args), dev, iters)
     return record("paged_attention_mixed", f"chunk={chunk}+{cached} cached, {decodes} decodes ctx={ctx} {heads}",
                   timed(lambda: ops.paged_attention(*args), dev, iters), peer="torch reference",
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     cfg, iters = (SMOKE, 2) if args.smoke else (GPU, args.iters)
     dtype = torch.float32 if args.smoke else getattr(torch, args.dtype)
     torch.manual_seed(0)
-    with ops.backend("reference" if args.smoke else "auto"):
+    with settings.backend("reference" if args.smoke else "auto"):
         rows = [row for bench in (bench_norms, bench_silu, bench_rotary_and_store, bench_attention)
                 for row in bench(cfg, dev, dtype, iters)]
     if args.json:

@@ -19,7 +19,7 @@ import torch
 
 from engine.config import CacheConfig
 from engine.distributed import all_reduce_min
-from kernels.fp8_linear import FP8, fp8_capable
+from kernels.settings import FP8, fp8_capable
 
 if TYPE_CHECKING:
     from engine.layers.attention import Attention

@@ -35,7 +35,7 @@ from engine.loader import load_weights
 from engine.models.hf_config import HFConfig
 from engine.models.registry import CausalLM, model_class
 from engine.sample.sampler import Sampler, SamplerOutput, sample_peak
-from kernels import cpu_gemm
+from kernels import ops
 
 if TYPE_CHECKING:
     from engine.executor.cuda_graphs import DecodeGraphs
@@ -107,7 +107,7 @@ class ModelRunner:
                   if isinstance(m, (LinearBase, ParallelLMHead)) and m.packed is not None]
         rows = min(256, self.config.scheduler.max_num_batched_tokens)
         if packed:
-            cpu_gemm.warm_up(packed, rows)
+            ops.warm_up_packed(packed, rows)
 
     @property
     def kv_cache(self) -> torch.Tensor | None:
@@ -237,7 +237,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
     held: list[torch.Tensor | None] = list(model.parameters())
     for m in model.modules():
         if isinstance(m, (LinearBase, ParallelLMHead)):
-            packed = m.packed.data if isinstance(m.packed, cpu_gemm.DensePacked) else m.packed
+            packed = m.packed.data if isinstance(m.packed, ops.DensePacked) else m.packed
             held += [packed, m.weight_scale, *(m.int8[:2] if m.int8 is not None else ())]
     total = 0
     for t in held:

@@ -2,7 +2,7 @@
 
 Quantized (``quantize``), the rows are int8 with one float32 scale per row (per output channel of
 the LM head's product): the embedding looks rows up and scales them back to the model's dtype;
-the LM head runs the int8 product of ``kernels.quant_linear``. A tied LM head shares the
+the LM head runs the int8 product of ``kernels.ops.matmul``. A tied LM head shares the
 embedding's int8 values and scales."""
 
 from __future__ import annotations
@@ -12,11 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import all_reduce, divide, gather_last_dim, tp_rank, tp_size
-from engine.layers import weights
 from engine.loader import Loaded, ShardId, as_tensor, set_weight_loader, shard
-from kernels import quant_linear
-from kernels.cpu_gemm import Packed
-from kernels.quant_linear import Int8Packed
+from kernels import ops
 
 
 class _VocabParallel(nn.Module):
@@ -36,7 +33,7 @@ class _VocabParallel(nn.Module):
         """After loading: int8 rows with one scale each, in place (the parameter object stays,
         so a module sharing it sees the int8 values: give it ``weight_scale`` too)."""
         self.dtype = self.weight.dtype
-        q, self.weight_scale = quant_linear.quantize_int8(self.weight)
+        q, self.weight_scale = ops.quantize_int8(self.weight)
         self.weight.data = q
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: ShardId = None) -> None:
@@ -70,13 +67,13 @@ class ParallelLMHead(_VocabParallel):
 
     def __init__(self, vocab_size: int, hidden: int):
         super().__init__(vocab_size, hidden)
-        self.packed: Packed | None = None
-        self.int8: Int8Packed | None = None
+        self.packed: ops.Packed | None = None
+        self.int8: ops.Int8Packed | None = None
 
     def pack_weights(self, tied: bool) -> None:
         """After loading: prepack for the CPU's products; a tied weight stays for the embedding."""
-        weights.prepack(self, keep_plain=tied)
+        ops.prepack(self, keep_plain=tied)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = weights.matmul(self, hidden, None)
+        logits = ops.matmul(self, hidden, None)
         return gather_last_dim(logits)

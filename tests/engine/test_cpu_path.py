@@ -9,7 +9,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.layers.linear import LinearBase, MergedColumnParallelLinear
-from kernels import cpu_gemm, cpu_kernels, ops
+from kernels import cpu_gemm, cpu_kernels, settings
 from tests.checkpoints import make_checkpoint
 
 PROMPTS = [[0, 5, 17, 99, 3, 42, 8], list(range(1, 60)), [7, 7, 7]]
@@ -37,7 +37,7 @@ def test_bfloat16_fast_path_agrees_with_the_torch_path(tmp_path, monkeypatch):
     assert len(gate_ups) == 2  # one per layer
     if cpu_gemm.pack_gated(torch.zeros(2, 32, dtype=torch.bfloat16)) is not None:
         assert all(m.activated for m in gate_ups)  # SiLU-and-multiply inside the product
-    with ops.backend("reference"):
+    with settings.backend("reference"):
         slow, slow_out = _generate(path, cpu_packed_gemm=False)
         assert not any(m.packed is not None for m in slow.engine.runner.model.modules()
                        if isinstance(m, LinearBase))

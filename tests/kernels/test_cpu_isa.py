@@ -14,7 +14,7 @@ import torch
 from engine import envs
 from engine.config import DeviceConfig, configure_kernels
 from engine.loader import resolve_dtype
-from kernels import cpu_isa
+from kernels import cpu_isa, settings
 from kernels import cpu_kernels as cpu
 from tests.kernels import test_cpu_kernels as kernel_tests
 from tests.kernels import test_fp8_kv as fp8_tests
@@ -42,16 +42,16 @@ def test_the_cap_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_CPU_ISA", "generic")
     envs.reload()
     configure_kernels(DeviceConfig())
-    assert cpu_isa.isa_class(SAPPHIRE_RAPIDS) == "generic"
-    assert cpu_isa.march_flags() == ["-march=x86-64", "-mtune=generic"]
+    assert settings.isa_class(SAPPHIRE_RAPIDS) == "generic"
+    assert cpu_isa.march_flags(settings.isa_class()) == ["-march=x86-64", "-mtune=generic"]
     monkeypatch.setenv("PAGEDSERVE_CPU_ISA", "avx3")
     with pytest.raises(ValueError, match="PAGEDSERVE_CPU_ISA must be one of generic, avx2"):
         envs.reload()
     monkeypatch.delenv("PAGEDSERVE_CPU_ISA")
     envs.reload()
     configure_kernels(DeviceConfig())
-    assert cpu_isa.isa_class() == cpu_isa.detect(cpu_isa.cpu_flags())
-    assert cpu_isa.march_flags() == ["-march=native"]
+    assert settings.isa_class() == cpu_isa.detect(cpu_isa.cpu_flags())
+    assert cpu_isa.march_flags(settings.isa_class()) == ["-march=native"]
 
 
 def test_isa_env_caps_every_library():

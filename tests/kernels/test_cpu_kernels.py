@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_gemm, cpu_isa, ops
-from kernels import cpu_kernels as cpu
+from kernels import cpu_gemm, cpu_kernels, ops, settings
+from kernels import cpu_launchers as cpu
 from kernels.activation import silu_and_mul_ref
 from kernels.kv_cache import store_kv_cache_ref
 from kernels.paged_attention import paged_attention_ref
@@ -31,10 +31,10 @@ TOL = {torch.float32: dict(atol=3e-5, rtol=3e-5), torch.bfloat16: dict(atol=2.5e
 
 
 def test_library_builds_and_loads():
-    assert cpu.available()
-    path = cpu.build()
+    assert cpu_kernels.available()
+    path = cpu_kernels.build()
     assert path.exists() and path.parent.parent.name == "kernels"
-    assert path == cpu.library_path()  # cached: a second build is the same file
+    assert path == cpu_kernels.library_path()  # cached: a second build is the same file
 
 
 def _attention(batch, scale, dtype):
@@ -143,13 +143,13 @@ def test_paged_attention_reads_nothing_before_the_window(dtype, block_size):
     assert torch.equal(cpu.paged_attention(*args, 0.125, 12), before)
 
 
-@pytest.mark.skipif(cpu_isa.isa_class() != "amx", reason="AMX tiles: Sapphire Rapids and later")
+@pytest.mark.skipif(settings.isa_class() != "amx", reason="AMX tiles: Sapphire Rapids and later")
 def test_amx_attention_takes_bfloat16_caches_in_whole_16_key_chunks():
     """On AMX machines the tile path takes bfloat16 queries over bfloat16 caches (head sizes a
     multiple of 32 up to 256, blocks a multiple of 16 keys, GQA groups up to 16); the tests
     above then run it against the reference. Everything else keeps the AVX-512 paths."""
     def takes(dtype: int, kv_dtype: int, head_size: int, block_size: int, group: int) -> bool:
-        return cpu.call("attend_amx_supported", dtype, kv_dtype, head_size, block_size, group) == 1
+        return cpu_kernels.call("attend_amx_supported", dtype, kv_dtype, head_size, block_size, group) == 1
     assert takes(1, 1, 64, 16, 7) and takes(1, 1, 128, 128, 16) and takes(1, 1, 32, 32, 1)
     assert not takes(0, 0, 64, 16, 7)  # float32
     assert not takes(1, 2, 64, 16, 7)  # fp8 cache
@@ -220,7 +220,7 @@ def test_auto_backend_takes_the_c_kernels_and_reference_forces_torch(monkeypatch
     x = torch.randn(4, 32)
     ops.silu_and_mul(x)
     assert calls == [1]
-    with ops.backend("reference"):
+    with settings.backend("reference"):
         assert torch.equal(ops.silu_and_mul(x), silu_and_mul_ref(x))
     assert calls == [1]
 

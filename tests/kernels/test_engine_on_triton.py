@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from kernels import ops
+from kernels import ops, settings
 
 PROMPTS = [[0, 647, 16, 555, 579, 301], [0, 401, 637, 680, 596, 12, 13, 14, 15, 16, 17]]
 
@@ -27,7 +27,7 @@ def test_default_model_greedy_tokens_match_the_reference_path(device, quantizati
               kv_cache_dtype=kv_cache_dtype)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
     inputs = [{"prompt_token_ids": p} for p in PROMPTS]
-    with ops.backend("reference"):  # the torch references, on CUDA too
+    with settings.backend("reference"):  # the torch references, on CUDA too
         ref = llm.generate(inputs, params, use_tqdm=False)
     calls = {"attention": 0, "int8": 0}
     originals = (ops._attn.paged_attention_triton, ops._int8.int8_linear_triton)
@@ -41,7 +41,7 @@ def test_default_model_greedy_tokens_match_the_reference_path(device, quantizati
     ops._attn.paged_attention_triton = counting("attention", originals[0])
     ops._int8.int8_linear_triton = counting("int8", originals[1])
     try:
-        with ops.backend("triton"):
+        with settings.backend("triton"):
             got = llm.generate(inputs, params, use_tqdm=False)
     finally:
         ops._attn.paged_attention_triton, ops._int8.int8_linear_triton = originals
@@ -66,9 +66,9 @@ def test_gemma2_sliding_window_and_softcap_match_the_reference_path(device, tmp_
               block_size=8, max_num_batched_tokens=12, max_model_len=256, enforce_eager=True)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
     inputs = [{"prompt_token_ids": p} for p in [[0, *range(100, 130)], PROMPTS[1]]]
-    with ops.backend("reference"):
+    with settings.backend("reference"):
         ref = llm.generate(inputs, params, use_tqdm=False)
-    with ops.backend("triton"):
+    with settings.backend("triton"):
         got = llm.generate(inputs, params, use_tqdm=False)
     for r, g in zip(ref, got):
         assert g.outputs[0].token_ids == r.outputs[0].token_ids

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from kernels import cpu_kernels as cpu
+from kernels import cpu_launchers as cpu
 from kernels.kv_cache import (
     FP8_KV_DTYPE,
     store_kv_cache_ref,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import ops
+from kernels import ops, settings
 from kernels.fused_moe import align_by_expert, fused_moe_cpu, fused_moe_ref, fused_moe_triton
 from tests.kernels.kernel_testing import assert_close
 
@@ -38,7 +38,7 @@ def test_triton_matches_the_reference(device, dtype, t, h, inter, e, k):
     else:  # h, the activations and the weighted rows are rounded to bfloat16 on the way
         scale = float(want.abs().max())
         torch.testing.assert_close(got.float().cpu(), want.cpu(), atol=1e-2 * scale, rtol=2e-2)
-    with ops.backend("triton"):
+    with settings.backend("triton"):
         assert_close(ops.fused_moe(x, w13, w2, weights, ids), got)
 
 
@@ -85,7 +85,7 @@ def test_mixtral_through_the_engine_on_triton_matches_the_reference_path(device,
               block_size=8, max_num_batched_tokens=12, max_model_len=256, enforce_eager=True)
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=1)
     inputs = [{"prompt_token_ids": p} for p in ([0, 647, 16, 555, 579], [0, 401, 637, 12, 13])]
-    with ops.backend("reference"):
+    with settings.backend("reference"):
         ref = llm.generate(inputs, params, use_tqdm=False)
     calls = []
     original = fused_moe.fused_moe_triton
@@ -96,7 +96,7 @@ def test_mixtral_through_the_engine_on_triton_matches_the_reference_path(device,
 
     fused_moe.fused_moe_triton = counting
     try:
-        with ops.backend("triton"):
+        with settings.backend("triton"):
             got = llm.generate(inputs, params, use_tqdm=False)
     finally:
         fused_moe.fused_moe_triton = original

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import ops
+from kernels import ops, settings
 from kernels.int8_gemm import int8_linear_triton
 from kernels.quant_linear import int8_linear_ref, quantize_int8
 from tests.kernels.kernel_testing import assert_close
@@ -34,7 +34,7 @@ def test_leading_dims_and_ops_dispatch(device):
     got = int8_linear_triton(x, q, scale, None)
     assert got.shape == (2, 3, 48)
     assert_close(got, int8_linear_ref(x, q, scale, None))
-    with ops.backend("triton"):
+    with settings.backend("triton"):
         assert_close(ops.int8_linear(x, q, scale, None), got)
 
 

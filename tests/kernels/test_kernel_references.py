@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import ops
+from kernels import ops, settings
 from kernels.activation import silu_and_mul_ref
 from kernels.kv_cache import store_kv_cache_ref
 from kernels.paged_attention import paged_attention_ref
@@ -137,14 +137,14 @@ def test_rotary_ref_matches_hf_rotate_half():
 
 
 def test_backend_switch_validates_and_restores():
-    assert ops.get_backend() == "auto"
+    assert settings.current().backend == "auto"
     with pytest.raises(ValueError, match="backend"):
-        ops.set_backend("cuda")
-    with ops.backend("reference"):
-        assert ops.get_backend() == "reference"
+        settings.configure(backend="cuda")
+    with settings.backend("reference"):
+        assert settings.current().backend == "reference"
         x = torch.randn(2, 8)
         assert torch.equal(ops.silu_and_mul(x), silu_and_mul_ref(x))
-    assert ops.get_backend() == "auto"
+    assert settings.current().backend == "auto"
 
 
 def test_auto_backend_never_calls_triton_on_cpu(monkeypatch):
@@ -168,12 +168,12 @@ def test_ops_work_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None\n"
         "import torch\n"
-        "from kernels import ops\n"
+        "from kernels import ops, settings\n"
         "from kernels._triton import HAS_TRITON\n"
         "assert not HAS_TRITON\n"
         "x = torch.randn(3, 8)\n"
         "assert ops.rms_norm(x, torch.ones(8), 1e-6).shape == (3, 8)\n"
-        "with ops.backend('triton'):\n"
+        "with settings.backend('triton'):\n"
         "    try:\n"
         "        ops.silu_and_mul(x)\n"
         "    except RuntimeError as e:\n"
