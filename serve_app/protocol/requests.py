@@ -1,33 +1,27 @@
-"""OpenAI request bodies (completions and chat) and their mapping to ``SamplingParams``.
+"""OpenAI request bodies: completions and chat.
 
 Validation is strict (``"5"`` is not a number) and parses the raw body once with
-``model_validate_json``, so malformed JSON, wrong types and out-of-range values all become a 400
-naming the field. Unknown fields are ignored, as OpenAI-compatible servers do; known OpenAI
+``model_validate_json``, so malformed JSON, wrong types and the ranges checked here all become
+a 400 naming the field. The ranges checked here are those the Router reads before the engine's
+parameters exist and OpenAI's own; the engine's ranges are ``SamplingParams``' to check, once,
+when ``serve_app/protocol/sampling.py`` builds it. Unknown fields are ignored, as OpenAI-compatible servers do; known OpenAI
 and vLLM features this server does not implement are rejected explicitly rather than silently
 dropped (vLLM's extensions, done and refused: ``serve_app/protocol/vllm_fields.py``).
 What constrains the output (``response_format``, ``structured_outputs``) is read in
 ``serve_app/protocol/constraints.py``, tools in ``serve_app/protocol/tools.py``. Responses are plain dicts built
-in ``serve_app/router/responses.py``.
+in ``serve_app/router/responses.py`` and beside it.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import Field, ValidationError, model_validator
 
-from engine import (
-    INT32_MAX,
-    MAX_BIAS,
-    MAX_N,
-    MAX_STOP_LEN,
-    MAX_STOP_TOKEN_IDS,
-    SamplingParams,
-    StructuredOutputsParams,
-)
+from engine import INT32_MAX, MAX_BIAS, MAX_N, MAX_STOP_LEN
 from serve_app.protocol.chat_template import ChatMessage, check_chat_options
-from serve_app.protocol.constraints import ResponseFormat, StructuredOutputs, constraint
-from serve_app.protocol.errors import APIError, FieldError, StrictModel, from_validation_error
+from serve_app.protocol.constraints import ResponseFormat, StructuredOutputs
+from serve_app.protocol.errors import FieldError, StrictModel, from_validation_error
 from serve_app.protocol.tools import (
     MAX_TOOLS,
     NamedToolChoice,
@@ -38,7 +32,7 @@ from serve_app.protocol.tools import (
 from serve_app.protocol.vllm_fields import MAX_ALLOWED_IDS, VLLMExtensions
 
 MAX_LOGPROBS = 20
-INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1  # seed: refused here, as JSON parses it
 
 TokenIds = list[Annotated[int, Field(ge=0, le=INT32_MAX)]]
 # logit_bias: OpenAI's keys are token ids written as strings, its values lie in [-100, 100]
@@ -51,26 +45,28 @@ class StreamOptions(StrictModel):
                                          "every chunk carries the usage so far.")
 
 
-class _Sampling(VLLMExtensions):
-    """Fields shared by completions and chat (vLLM's extensions: ``serve_app.protocol.vllm_fields``)."""
+class SamplingRequest(VLLMExtensions):
+    """Fields shared by completions and chat (vLLM's extensions:
+    ``serve_app.protocol.vllm_fields``). Ranges the engine checks (``top_p``, ``top_k``,
+    ``min_p``, penalties, ``min_tokens``, ...) are left to ``SamplingParams``."""
 
     model: str | None = Field(None, description="Served model name; the only model if omitted.")
     temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1, le=INT32_MAX, description="0 or -1 turns it off.")
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    top_p: float = 1.0
+    top_k: int = Field(-1, description="0 or -1 turns it off.")
+    min_p: float = 0.0
     n: int = Field(1, ge=1, le=MAX_N, description="Choices per prompt; the Router bounds it "
                    "(max_n).")
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: TokenIds | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    stop_token_ids: list[int] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
+    min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
@@ -82,7 +78,7 @@ class _Sampling(VLLMExtensions):
         None, description="vLLM's extension: exactly one of json, regex, choice, grammar.")
 
     @model_validator(mode="after")
-    def _check_fields(self) -> _Sampling:
+    def _check_fields(self) -> SamplingRequest:
         if any(not (k.isascii() and k.isdigit() and int(k) <= INT32_MAX)
                for k in self.logit_bias or ()):
             raise FieldError("logit_bias", f"keys must be token ids, integers in [0, {INT32_MAX}] "
@@ -119,13 +115,13 @@ class _Sampling(VLLMExtensions):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | TokenIds | list[TokenIds] = Field(
         description="A string, a list of strings, token ids, or a list of token-id lists."
     )
     max_tokens: int | None = Field(16, ge=0, le=INT32_MAX, description="0: the prompt only "
                                    "(with echo and logprobs: its logprobs).")
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
 
@@ -160,7 +156,7 @@ class CompletionRequest(_Sampling):
         return list(p)
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=INT32_MAX, description="Deprecated alias "
                                    "of max_completion_tokens.")
@@ -227,44 +223,12 @@ class ChatCompletionRequest(_Sampling):
         return ToolPlan(mode, self.tools, self.parallel_tool_calls, parser=parser)
 
 
-def structured_outputs(req: CompletionRequest | ChatCompletionRequest,
-                       ) -> StructuredOutputsParams | None:
-    """What constrains the output: a tool choice, ``structured_outputs`` or a JSON
-    ``response_format`` (``serve_app.protocol.constraints``)."""
-    plan = req.tool_plan() if isinstance(req, ChatCompletionRequest) else None
-    return constraint(req.structured_outputs, req.response_format, plan)
+R = TypeVar("R", bound=SamplingRequest)
 
 
-def parse_request(cls: type[_Sampling], body: bytes) -> Any:
+def parse_request(cls: type[R], body: bytes) -> R:
     """Validate a raw JSON body; any problem is a 400 naming the field."""
     try:
         return cls.model_validate_json(body)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
-
-
-def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                    num_logprobs: int | None) -> SamplingParams:
-    """Engine parameters for one prompt: delta token ids only; stop strings stay in the Router."""
-    try:
-        constraint = structured_outputs(req)
-    except FieldError as e:
-        raise APIError(400, f"{e.field}: {e}", param=e.field) from None
-    try:
-        params = SamplingParams(
-            n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-            min_p=req.min_p, seed=req.seed, max_tokens=max_tokens,
-            min_tokens=req.min_tokens, stop_token_ids=req.stop_token_ids or [],
-            ignore_eos=req.ignore_eos, logprobs=num_logprobs,
-            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty, skip_special_tokens=req.skip_special_tokens,
-            detokenize=False, output_kind="delta",
-            structured_outputs=constraint, prompt_logprobs=req.num_prompt_logprobs(),
-            truncate_prompt_tokens=req.truncate_prompt_tokens,
-            allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
-            logit_bias=req.logit_bias_ids(), cache_salt=req.cache_salt,
-        )
-    except ValueError as exc:
-        message = str(exc)
-        raise APIError(400, message, param=message.split(" ", 1)[0]) from None
-    return params

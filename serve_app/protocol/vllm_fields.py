@@ -10,11 +10,11 @@ request model defines is implemented and never refused here, whatever this table
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Any
 
 from pydantic import Field, model_validator
 
-from engine import INT32_MAX, MAX_BAD_WORDS, MAX_LOGPROBS, MAX_WORD_LEN
+from engine import INT32_MAX, MAX_LOGPROBS
 from serve_app.protocol.errors import FieldError, StrictModel
 
 MAX_ALLOWED_IDS = 1 << 20  # allowed_token_ids (each must also be below the vocabulary size)
@@ -74,18 +74,19 @@ def refuse_unimplemented(body: Any, defined: set[str]) -> None:
 
 class VLLMExtensions(StrictModel):
     """vLLM's request fields beyond OpenAI's that this server implements (both endpoints;
-    ``engine.core.sampling_params`` says what each does), and the refusal of those it does not."""
+    ``engine.core.sampling_params`` says what each does, and checks their ranges), and the
+    refusal of those it does not."""
 
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Top-N "
                                         "logprobs of every prompt token (not when streaming).")
     truncate_prompt_tokens: int | None = Field(None, ge=1, le=INT32_MAX,
                                                description="Keep the prompt's last N tokens.")
-    allowed_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = Field(
-        None, min_length=1, max_length=MAX_ALLOWED_IDS, description="Only these may be sampled.")
-    bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS, description="Words "
-                                        "never generated (as vLLM tokenizes them).")
-    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_WORD_LEN, description=
-                                   "Prefix-cache blocks are shared only with the same salt.")
+    allowed_token_ids: list[int] | None = Field(
+        None, max_length=MAX_ALLOWED_IDS, description="Only these may be sampled.")
+    bad_words: list[str] | None = Field(None, description="Words never generated (as vLLM "
+                                        "tokenizes them).")
+    cache_salt: str | None = Field(None, description="Prefix-cache blocks are shared only "
+                                   "with the same salt.")
     return_token_ids: bool = Field(False, description="Choices carry their token ids, and the "
                                    "response the prompt's (streams: on the first chunk).")
     return_tokens_as_token_ids: bool = Field(False, description="Logprobs name tokens as "

@@ -21,7 +21,7 @@ With ``ttft_slo_s`` set, each request's wait is also predicted when it arrives::
 A prediction over the SLO is a 429 whose ``Retry-After`` is the time until the predicted wait
 falls to the SLO, draining as now with nothing new arriving: ``ceil(predicted - slo)``, at
 least 1 s. While a Worker starts and the prediction meets the SLO, the Router holds the request
-until the Worker runs (``Router._wait_for_worker``). The prediction leaves out the prefill time
+until the Worker runs (``WorkerReadiness._wait_for_worker``). The prediction leaves out the prefill time
 itself: it is the queue's share of the TTFT.
 
 The Workers' stats and the clock are injectable, so the decisions are tested on a scripted

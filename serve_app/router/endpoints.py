@@ -15,7 +15,7 @@ import hashlib
 from collections.abc import Callable
 from functools import cache
 from importlib import metadata
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -28,6 +28,8 @@ from serve_app.protocol.tools import Tool
 from serve_app.router.prompts import PromptProcessor
 
 routes = APIRouter()
+T = TypeVar("T")
+P = ParamSpec("P")
 
 
 @cache
@@ -93,7 +95,10 @@ class DetokenizeRequest(StrictModel):
     tokens: TokenIds
 
 
-def _parse(cls: type[StrictModel], body: bytes) -> Any:
+M = TypeVar("M", bound=StrictModel)
+
+
+def _parse(cls: type[M], body: bytes) -> M:
     try:
         return cls.model_validate_json(body)
     except ValidationError as exc:
@@ -131,7 +136,7 @@ class _RouterMethods(Protocol):
 
     async def _ready(self) -> PromptProcessor: ...
 
-    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any: ...
+    async def _off_loop(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T: ...
 
 
 if TYPE_CHECKING:  # for mypy only: FastAPI would take an annotated ``self`` for a parameter

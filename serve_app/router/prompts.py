@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine import SamplingParams, with_defaults
+from engine import SamplingParams
 from serve_app.cluster.request_router import prefix_hashes
 from serve_app.config import AppConfig
 from serve_app.protocol.errors import APIError
-from serve_app.protocol.requests import sampling_params
+from serve_app.protocol.requests import ChatCompletionRequest, CompletionRequest
+from serve_app.protocol.sampling import sampling_params, with_defaults
 from serve_app.protocol.tools import ToolPlan, template_has_tools
+from serve_app.router.prepared import PreparedRequest, chat_output, completion_output
 from serve_app.wire import ModelInfo
 
 
@@ -135,50 +137,58 @@ class PromptProcessor:
         text: str = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         return text
 
-    def params(self, req: Any, prompt_ids: list[int], max_tokens: int | None,
-               num_logprobs: int | None) -> SamplingParams:
-        """Sampling parameters, after checking the prompt and output fit ``max_model_len``."""
-        limit, n = self.max_model_len, len(prompt_ids)
-        self._check_length(n, max_tokens, getattr(req, "max_tokens_param", "max_tokens"))
+    def params(self, req: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
+               max_tokens: int | None, num_logprobs: int | None) -> SamplingParams:
+        """One prompt's sampling parameters, after checking the prompt and output fit
+        ``max_model_len``: the model's defaults (generation_config.json) and the app's
+        (``max_tokens_limit``) go into the request's fields first, then ``SamplingParams`` is
+        built, and checked, once."""
+        self._check_length(len(prompt_ids), max_tokens, req.max_tokens_param)
+        self._check_vocab(req)
+        sent = req.model_fields_set  # what the client set wins over the defaults
+        if max_tokens is None:
+            max_tokens = self.max_model_len - len(prompt_ids)
+            if self.max_tokens_limit is not None:
+                max_tokens = min(max_tokens, self.max_tokens_limit)
+        default_max = self.default_sampling.get("max_tokens")
+        if default_max is not None and not sent & {"max_tokens", "max_completion_tokens"}:
+            max_tokens = min(max_tokens, default_max)
+        return sampling_params(with_defaults(req, self.default_sampling), max_tokens,
+                               num_logprobs)
+
+    def _check_vocab(self, req: CompletionRequest | ChatCompletionRequest) -> None:
+        """Token ids the request names must lie in the model's vocabulary."""
         for name, ids in (("stop_token_ids", req.stop_token_ids),
                           ("allowed_token_ids", req.allowed_token_ids),
                           ("logit_bias", list(req.logit_bias_ids() or ()))):
             if ids and max(ids) >= self.vocab_size:
                 raise APIError(400, f"{name}: token id {max(ids)} is outside the vocabulary "
                                f"[0, {self.vocab_size})", param=name)
-        if max_tokens is None:
-            max_tokens = limit - n
-            if self.max_tokens_limit is not None:
-                max_tokens = min(max_tokens, self.max_tokens_limit)
-        sent = req.model_fields_set  # what the client set wins over the model's defaults
-        default_max = self.default_sampling.get("max_tokens")
-        if default_max is not None and not sent & {"max_tokens", "max_completion_tokens"}:
-            max_tokens = min(max_tokens, default_max)
-        params = sampling_params(req, max_tokens, num_logprobs)
-        return with_defaults(params, self.default_sampling, sent | {"max_tokens"})
 
-    def prepare_completion(self, req: Any) -> tuple[list[list[int]], list[SamplingParams],
-                                                    list[str] | None]:
-        """A completion request's prompts as token ids, their params, and the echo texts."""
+    def prepare_completion(self, req: CompletionRequest) -> PreparedRequest:
+        """A completion request's prompts as token ids, their parameters, and its answer's
+        shape (with ``echo``: the prompts' texts)."""
         raw = req.prompts()
         prompts = [self.encode_completion(x, req.truncate_prompt_tokens) for x in raw]
         params = [self.params(req, ids, req.max_tokens, req.logprobs) for ids in prompts]
         echo = [x if isinstance(x, str) else self.decode(x) for x in raw] if req.echo else None
-        return prompts, params, echo
+        return PreparedRequest(prompts, params, completion_output(req, echo))
 
-    def prepare_chat(self, req: Any) -> tuple[list[int], list[SamplingParams], ToolPlan | None]:
-        """A chat request's templated prompt as token ids, its params, and its tool plan."""
+    def prepare_chat(self, req: ChatCompletionRequest) -> PreparedRequest:
+        """A chat request's templated prompt as token ids, its parameters, and its answer's
+        shape (with its tool plan)."""
         plan = self.tool_plan(req)
         tools = [t.model_dump(exclude_none=True) for t in plan.tools] if plan else None
         ids = self.encode_chat(req.chat_messages(), req.add_generation_prompt, tools,
                                req.continue_final_message, req.chat_template_kwargs,
                                req.truncate_prompt_tokens)
-        return ids, [self.params(req, ids, req.completion_limit(), req.num_logprobs())], plan
+        params = self.params(req, ids, req.completion_limit(), req.num_logprobs())
+        return PreparedRequest([ids], [params], chat_output(req, plan))
 
-    def tool_plan(self, req: Any) -> ToolPlan | None:
+    def tool_plan(self, req: ChatCompletionRequest) -> ToolPlan | None:
         """The request's tools, checked against this model and app (400 when "auto" cannot
         be served: no parser set, or a chat template without tools)."""
-        plan: ToolPlan | None = req.tool_plan(self.tool_call_parser)
+        plan = req.tool_plan(self.tool_call_parser)
         if plan is None or plan.mode != "auto":
             return plan
         if plan.parser is None:

@@ -198,7 +198,8 @@ def test_this_apps_own_stream_passes_and_its_error_event_fails():
     """The Router's shapes (serve_app/router/responses.py, router.py's _sse): merged steps, a token
     whose text is held back, usage, [DONE]; and a request failing mid-stream."""
     from serve_app.protocol.errors import APIError
-    from serve_app.router.responses import SSE_DONE, CompletionFormat, sse
+    from serve_app.router.completion_format import CompletionFormat
+    from serve_app.router.responses import SSE_DONE, sse
     from serve_app.router.streams import Delta, Usage
 
     def stream(steps_sent: int, tail: list[str]) -> StreamCount:

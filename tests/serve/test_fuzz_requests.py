@@ -93,12 +93,14 @@ def _handle(p: PromptProcessor, endpoint: str, body: bytes):
         req = parse_request(CompletionRequest, body)
         p.check_model(req.model)
         p.check_size(len(req.prompts()), req.n, req.max_tokens, req.max_tokens_param)
-        prompts, params, _ = p.prepare_completion(req)
+        prep = p.prepare_completion(req)
+        prompts, params = prep.prompts, prep.params
         return prompts, params
     req = parse_request(ChatCompletionRequest, body)
     p.check_model(req.model)
     p.check_size(1, req.n, req.completion_limit(), req.max_tokens_param)
-    ids, params, _ = p.prepare_chat(req)
+    prep = p.prepare_chat(req)
+    [ids], params = prep.prompts, prep.params
     return [ids], params
 
 

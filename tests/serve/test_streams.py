@@ -50,7 +50,8 @@ def test_stop_reason_names_the_stop_string_or_stop_token_id():
     from transformers import AutoTokenizer
 
     from engine.models.default_model import default_model_path
-    from serve_app.router.responses import ChatFormat, CompletionFormat
+    from serve_app.router.chat_format import ChatFormat
+    from serve_app.router.completion_format import CompletionFormat
 
     tok = AutoTokenizer.from_pretrained(str(default_model_path()))
     ids = tok("The quick brown fox jumps", add_special_tokens=False).input_ids
@@ -87,7 +88,8 @@ def test_return_token_ids_in_chunks_and_final_responses():
     """vLLM's ``return_token_ids``: each choice's ids (a stream's chunks: their new ones, held
     text's ids included), the prompt's once per completion choice or per chat response."""
     from serve_app.protocol.tools import ToolPlan
-    from serve_app.router.responses import ChatFormat, CompletionFormat
+    from serve_app.router.chat_format import ChatFormat
+    from serve_app.router.completion_format import CompletionFormat
     from serve_app.router.streams import Delta
 
     prompts = [[5, 6], [7, 8, 9]]

@@ -52,12 +52,12 @@ PARTIAL = {"role": "assistant", "content": "Hello, my"}
 
 def test_the_tokenizers_template_continues_the_final_message(llm):
     p = processor(llm)
-    got, _, _ = p.prepare_chat(chat(messages=[USER, PARTIAL], add_generation_prompt=False,
-                                    continue_final_message=True))
+    [got] = p.prepare_chat(chat(messages=[USER, PARTIAL], add_generation_prompt=False,
+                                    continue_final_message=True)).prompts
     assert got == ids(llm, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello, my")
-    got, _, _ = p.prepare_chat(chat(messages=[USER], add_generation_prompt=False))
+    [got] = p.prepare_chat(chat(messages=[USER], add_generation_prompt=False)).prompts
     assert got == ids(llm, "<|im_start|>user\nHi<|im_end|>\n")
-    got, _, _ = p.prepare_chat(chat(messages=[USER]))
+    [got] = p.prepare_chat(chat(messages=[USER])).prompts
     assert got == ids(llm, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 
 
@@ -66,13 +66,13 @@ def test_the_apps_template_file_or_text_takes_the_requests_kwargs(llm, tmp_path)
     for setting in (str(tmp_path / "thinking.jinja"), THINKING):
         p = processor(llm, chat_template=setting)
         assert p.chat_template == THINKING
-        got, _, _ = p.prepare_chat(chat(messages=[USER],
-                                        chat_template_kwargs={"enable_thinking": True}))
+        [got] = p.prepare_chat(chat(messages=[USER],
+                                        chat_template_kwargs={"enable_thinking": True})).prompts
         assert got == ids(llm, "[user]Hi<think>[assistant]")
-        got, _, _ = p.prepare_chat(chat(messages=[USER]))
+        [got] = p.prepare_chat(chat(messages=[USER])).prompts
         assert got == ids(llm, "[user]Hi[assistant]")
-        got, _, _ = p.prepare_chat(chat(messages=[USER, PARTIAL], add_generation_prompt=False,
-                                        continue_final_message=True))
+        [got] = p.prepare_chat(chat(messages=[USER, PARTIAL], add_generation_prompt=False,
+                                        continue_final_message=True)).prompts
         assert got == ids(llm, "[user]Hi[assistant]Hello, my")
 
 
@@ -113,22 +113,22 @@ def test_a_bad_template_setting_stops_start_up(setting, message):
 def test_generation_defaults_fill_what_the_request_left_unset(llm):
     p = processor(llm)
     prompt = [0, 11, 12, 13]
-    [_], [omitted], _ = p.prepare_completion(parse_request(
-        CompletionRequest, json.dumps({"prompt": prompt, "max_tokens": 30}).encode()))
-    [_], [explicit], _ = p.prepare_completion(parse_request(CompletionRequest, json.dumps(
+    [omitted] = p.prepare_completion(parse_request(
+        CompletionRequest, json.dumps({"prompt": prompt, "max_tokens": 30}).encode())).params
+    [explicit] = p.prepare_completion(parse_request(CompletionRequest, json.dumps(
         {"prompt": prompt, "max_tokens": 30, "temperature": 0.3, "top_k": 7,
-         "repetition_penalty": 1.2}).encode()))
+         "repetition_penalty": 1.2}).encode())).params
     assert omitted == explicit
     assert (omitted.temperature, omitted.top_k, omitted.repetition_penalty, omitted.top_p,
             omitted.max_tokens) == (0.3, 7, 1.2, 1.0, 30)
     # what the client sets wins, even when it is the neutral value
-    [_], [mine], _ = p.prepare_completion(parse_request(CompletionRequest, json.dumps(
-        {"prompt": prompt, "temperature": 1.0, "top_k": -1}).encode()))
+    [mine] = p.prepare_completion(parse_request(CompletionRequest, json.dumps(
+        {"prompt": prompt, "temperature": 1.0, "top_k": -1}).encode())).params
     assert (mine.temperature, mine.top_k, mine.repetition_penalty, mine.max_tokens) == \
         (1.0, -1, 1.2, 9)  # max_new_tokens caps the unsent max_tokens (16 by default)
-    _, [params], _ = p.prepare_chat(chat(messages=[USER]))
+    [params] = p.prepare_chat(chat(messages=[USER])).params
     assert (params.temperature, params.top_k, params.max_tokens) == (0.3, 7, 9)
-    _, [params], _ = p.prepare_chat(chat(messages=[USER], max_completion_tokens=40))
+    [params] = p.prepare_chat(chat(messages=[USER], max_completion_tokens=40)).params
     assert params.max_tokens == 40
 
 
@@ -137,14 +137,14 @@ def test_defaults_change_generation_exactly_as_the_fields_would(llm):
     one that sets them, and different ones without the defaults (generation_config 'vllm')."""
     p = processor(llm)
     body = {"prompt": [0, 11, 12, 13], "max_tokens": 12, "seed": 5}
-    [_], [omitted], _ = p.prepare_completion(parse_request(CompletionRequest,
-                                                           json.dumps(body).encode()))
-    [_], [explicit], _ = p.prepare_completion(parse_request(CompletionRequest, json.dumps(
-        {**body, "temperature": 0.3, "top_k": 7, "repetition_penalty": 1.2}).encode()))
+    [omitted] = p.prepare_completion(parse_request(CompletionRequest,
+                                                           json.dumps(body).encode())).params
+    [explicit] = p.prepare_completion(parse_request(CompletionRequest, json.dumps(
+        {**body, "temperature": 0.3, "top_k": 7, "repetition_penalty": 1.2}).encode())).params
     info = {"tokenizer": llm.engine.tokenizer, "max_model_len": MAX_MODEL_LEN,
             "vocab_size": llm.engine.vocab_size, "model_name": "m", "default_sampling": {}}
-    [_], [neutral], _ = PromptProcessor.for_app(info, AppConfig()).prepare_completion(  # type: ignore[arg-type]
-        parse_request(CompletionRequest, json.dumps(body).encode()))
+    [neutral] = PromptProcessor.for_app(info, AppConfig()).prepare_completion(  # type: ignore[arg-type]
+        parse_request(CompletionRequest, json.dumps(body).encode())).params
 
     def run(params: SamplingParams) -> list[int]:
         out = llm.generate({"prompt_token_ids": body["prompt"]}, params, use_tqdm=False)

@@ -17,8 +17,8 @@ from engine.tokenizer import load_tokenizer
 from serve_app.protocol.errors import APIError
 from serve_app.protocol.requests import ChatCompletionRequest
 from serve_app.protocol.tools import ToolPlan, template_has_tools
+from serve_app.router.chat_format import ChatFormat
 from serve_app.router.prompts import PromptProcessor
-from serve_app.router.responses import ChatFormat
 from serve_app.router.streams import Delta
 from tests.checkpoints import make_checkpoint
 
@@ -74,7 +74,8 @@ def chat(**body) -> ChatCompletionRequest:
 def generate_calls(llm: LLM, req: ChatCompletionRequest) -> list[tuple[str, list[dict]]]:
     """The request through the Router's preparation and the engine; each choice's parsed
     (finish reason, calls) as the final response has them."""
-    ids, [params], plan = processor(llm).prepare_chat(req)
+    prep = processor(llm).prepare_chat(req)
+    [ids], [params], plan = prep.prompts, prep.params, prep.output.tools
     out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
     fmt = ChatFormat("id", "m", llm.engine.tokenizer, len(out.outputs), tools=plan)
     decode = llm.engine.tokenizer.decode  # the Router detokenizes (params say not to)
@@ -109,8 +110,8 @@ def test_tool_choice_none_and_no_tools_give_text(llm):
     p = processor(llm)
     plain = p.prepare_chat(chat(messages=USER))
     none = p.prepare_chat(chat(messages=USER, tools=[WEATHER], tool_choice="none"))
-    assert none[2] is None and none[0] == plain[0]  # the tools are not shown either
-    assert none[1][0].structured_outputs is None
+    assert none.output.tools is None and none.prompts == plain.prompts  # tools not shown either
+    assert none.params[0].structured_outputs is None
 
 
 def test_auto_needs_a_parser_and_a_template_with_tools(llm):
@@ -118,7 +119,8 @@ def test_auto_needs_a_parser_and_a_template_with_tools(llm):
     with pytest.raises(APIError, match="tool_call_parser") as err:
         processor(llm).prepare_chat(req)
     assert (err.value.status, err.value.param) == (400, "tools")
-    ids, [params], plan = processor(llm, "hermes").prepare_chat(req)
+    prep = processor(llm, "hermes").prepare_chat(req)
+    [ids], [params], plan = prep.prompts, prep.params, prep.output.tools
     assert plan is not None and plan.mode == "auto" and params.structured_outputs is None
     text = llm.engine.tokenizer.decode(ids)
     assert '"name": "get_weather"' in text  # the template showed the tool
@@ -137,7 +139,7 @@ def test_earlier_calls_and_results_reach_the_template(llm):
                tools=[WEATHER], tool_choice="required")
     assert req.chat_messages()[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
     assert req.chat_messages()[2]["tool_call_id"] == "call_1"
-    ids, _, _ = processor(llm).prepare_chat(req)
+    [ids] = processor(llm).prepare_chat(req).prompts
     text = llm.engine.tokenizer.decode(ids)
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>' in text
     assert "-3 C" in text
