@@ -9,7 +9,6 @@ first chunk is sent as a last event in OpenAI's shape, since the status line is 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 from serve_app.protocol.errors import APIError
 from serve_app.router.chat_format import ChatFormat
@@ -44,7 +43,7 @@ async def sse_body(prep: PreparedRequest, stream: ResponseStream, fmt: Formatter
     ends."""
     out = prep.output
 
-    def event(chunk: dict[str, Any]) -> str:  # vLLM's continuous_usage_stats
+    def event(chunk: dict[str, object]) -> str:  # vLLM's continuous_usage_stats
         return sse({**chunk, "usage": stream.usage.as_dict()} if out.usage_in_every_chunk
                    else chunk)
 

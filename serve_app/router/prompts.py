@@ -116,10 +116,10 @@ class PromptProcessor:
                            f"[0, {self.vocab_size})", param="prompt")
         return list(prompt[-truncate:] if truncate else prompt)
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                    tools: list[dict[str, Any]] | None = None,
+    def encode_chat(self, messages: list[dict[str, object]], add_generation_prompt: bool,
+                    tools: list[dict[str, object]] | None = None,
                     continue_final_message: bool = False,
-                    template_kwargs: dict[str, Any] | None = None,
+                    template_kwargs: dict[str, object] | None = None,
                     truncate: int | None = None) -> list[int]:
         """The conversation through the chat template (the app's, else the tokenizer's), with
         ``template_kwargs`` as the template's variables, tokenized."""
