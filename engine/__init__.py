@@ -33,6 +33,7 @@ from engine.health import EngineDeadError
 from engine.models.default_model import DEFAULT_MODEL_NAME
 from engine.models.generation_config import with_defaults
 from engine.models.hub import looks_like_repo_id
+from engine.step_stream import StepOutputs, StepStream
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
@@ -72,6 +73,8 @@ __all__ = [
     "RankSpec",
     "RequestOutput",
     "SamplingParams",
+    "StepOutputs",
+    "StepStream",
     "StructuredOutputsParams",
     "TextStream",
     "cache_dir",

@@ -1,53 +1,42 @@
-"""``AsyncEngine``: the step loop in a background thread, one async stream per request.
+"""``AsyncEngine``: the step loop in a background thread; per step, one record per consumer.
 
 The loop thread alone touches the ``LLMEngine``, and builds it: on a CPU, a second thread that
 ran torch's parallel work (loading, packing, warm-up) would keep an OpenMP thread team of its
 own, and with more OpenMP threads than cores libgomp stops spinning at barriers, so every
 parallel region of a step pays a sleep and a wake-up (a 0.5B model decoded 25-40% slower on two
-cores that way). Callers talk to the loop through an inbox (add, abort) and receive outputs on
-per-request ``asyncio`` queues. Closing or cancelling a stream aborts its request; a request
-that fails (bad input, an error while processing its tokens) raises in its own stream only,
+cores that way). Callers talk to the loop through an inbox (add, abort) and receive, per step,
+one ``StepOutputs`` per consumer on its ``StepStream`` (``add_batch``; ``engine/step_stream.py``).
+``generate`` is the per-request view of the same. Closing a stream aborts its open requests; a
+request that fails (bad input, an error while processing its tokens) fails in its record only,
 and the loop goes on serving the others.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import queue
 import sys
 import threading
 import time
 import traceback
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterable
 from typing import Any, Literal
 
 from engine.config import EngineConfig
 from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import SamplingParams
-from engine.core.stats import AsyncEngineStats
+from engine.core.stats import AsyncEngineStats, StepFigures
 from engine.health import EngineDeadError, EngineStalledError, StepWatchdog
 from engine.llm_engine import LLMEngine, PromptType
+from engine.step_stream import Outbox, StepRequest, StepStream, Subscribers
 
 logger = logging.getLogger(__name__)
 
-_RATE_WINDOW_S = 10.0
-_MAX_STEP_RECORDS = 4096  # per-step records kept until pop_step_records() drains them
 
-
-# What a stream receives: outputs, or the exception that ends it.
-_Item = RequestOutput | BaseException
 # The loop thread's inbox: ("add", request_id, prompt, params, arrival) or ("abort", request_id).
 _Message = (tuple[Literal["add"], str, PromptType, SamplingParams, float]
             | tuple[Literal["abort"], str])
-
-
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[_Item]
 
 
 class AsyncEngine:
@@ -61,11 +50,9 @@ class AsyncEngine:
                                         name="pagedserve-engine", daemon=True)
         self._inbox: queue.SimpleQueue[_Message] = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._streams: dict[str, _Stream] = {}
+        self._subscribers = Subscribers()  # request id -> the stream it reports to
         self._stopping = False
-        self._rate: collections.deque[tuple[float, int]] = collections.deque()
-        self._steps: collections.deque[tuple[float, int]] = collections.deque(
-            maxlen=_MAX_STEP_RECORDS)
+        self._figures = StepFigures()
         self._thread.start()
         result = built.get()
         if isinstance(result, BaseException):
@@ -91,33 +78,47 @@ class AsyncEngine:
         return self._thread.is_alive() and not self._stopping
 
     # ----------------------------------------------------------------- the public face
+    def add_batch(self, requests: Iterable[StepRequest]) -> StepStream:
+        """Queue ``(request_id, prompt, params)`` requests and open their ``StepStream``: one
+        ``StepOutputs`` per step that touched them. Call it on the event loop that reads it."""
+        stream = StepStream(self, asyncio.get_running_loop())
+        stream.add(requests)
+        return stream
+
     async def generate(self, request_id: str, prompt: PromptType,
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Stream ``RequestOutput``s for one request. Bad input raises ``ValueError`` before the
-        first output; leaving the loop early aborts the request and frees its blocks. A stopped
-        or stalled engine raises ``EngineDeadError`` (``EngineStalledError``) at once."""
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._streams[request_id] = stream
-        finished = False
+        """Stream ``RequestOutput``s for one request (a one-request ``add_batch``). Bad input
+        raises ``ValueError`` before the first output; leaving the loop early aborts the request
+        and frees its blocks. A stopped or stalled engine raises ``EngineDeadError``
+        (``EngineStalledError``) at once."""
+        stream = self.add_batch([(request_id, prompt, params)])
         try:
-            if not self.is_running:  # checked once registered: a later stall reaches the stream
-                raise self._watchdog.error() or EngineDeadError("the engine has stopped")
-            self._send(("add", request_id, prompt, params, time.monotonic()))
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            async for record in stream:
+                for _, err in record.failed:
+                    raise err
+                for out in record.outputs:
+                    yield out
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+            stream.close()
+
+    def subscribe(self, stream: StepStream, request: StepRequest) -> BaseException | None:
+        """``StepStream.add``'s half: route the request's records to ``stream`` and queue it, or
+        return why not (a reused id; a stopped or stalled engine)."""
+        rid, prompt, params = request
+        refused = self._subscribers.add(stream, rid)
+        if refused is not None:
+            return refused
+        if not self.is_running:  # checked once routed: a later stall reaches the stream
+            self._subscribers.remove(stream, [rid])
+            return self._watchdog.error() or EngineDeadError("the engine has stopped")
+        self._send(("add", rid, prompt, params, time.monotonic()))
+        return None
+
+    def unsubscribe(self, stream: StepStream, request_ids: Iterable[str], abort: bool) -> None:
+        """``StepStream``'s half: its requests ended (or it aborts them, with ``abort``)."""
+        for rid in self._subscribers.remove(stream, request_ids):
+            if abort:
+                self.abort(rid)
 
     def abort(self, request_id: str) -> None:
         """Abort a request wherever it is (thread-safe, idempotent). Its open stream, if any,
@@ -125,9 +126,8 @@ class AsyncEngine:
         self._send(("abort", request_id))
 
     def get_stats(self) -> AsyncEngineStats:
-        now = time.monotonic()
-        window = [n for t, n in list(self._rate) if now - t <= _RATE_WINDOW_S]
-        return AsyncEngineStats(**self._stats, output_tokens_per_s=sum(window) / _RATE_WINDOW_S)
+        return AsyncEngineStats(**self._stats,
+                                output_tokens_per_s=self._figures.output_tokens_per_s())
 
     def check_health(self) -> None:
         """Raise when no request can be served: a step has run past ``step_timeout_s``
@@ -143,8 +143,7 @@ class AsyncEngine:
     def pop_step_records(self) -> list[tuple[float, int]]:
         """``(duration_s, num_batched_tokens)`` of each step that ran since the last call, oldest
         first (thread-safe; at most the last 4096 are kept)."""
-        steps = self._steps
-        return [steps.popleft() for _ in range(len(steps))]
+        return self._figures.pop_steps()
 
     def shutdown(self) -> None:
         """Stop the loop (which then stops any tensor-parallel ranks)."""
@@ -176,17 +175,20 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stopping:
-                self._drain_inbox()
+                outbox = self._subscribers.outbox()  # this iteration's records
+                self._drain_inbox(outbox)
+                if self.engine.has_unfinished():
+                    self._step(outbox)
+                outbox.flush()
                 if not self.engine.has_unfinished():
                     self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()
-                    continue
-                self._step()
         finally:
-            self._fail_all(EngineDeadError("the engine has stopped"))
+            self._stopping = True  # no stream subscribes from now on
+            self._subscribers.fail_all(EngineDeadError("the engine has stopped"))
             self.engine.shutdown()
 
-    def _drain_inbox(self) -> None:
+    def _drain_inbox(self, outbox: Outbox) -> None:
         while True:
             try:
                 msg = self._inbox.get_nowait()
@@ -194,65 +196,41 @@ class AsyncEngine:
                 return
             if msg[0] == "add":
                 _, rid, prompt, params, arrival = msg
-                if rid not in self._streams:
+                if rid not in self._subscribers:
                     continue  # its consumer left before it was added
                 try:
                     self.engine.add_request(rid, prompt, params, arrival)
                 except Exception as e:  # bad input: fail this request only
-                    self._deliver(rid, e)
+                    outbox.fail([rid], e)
             else:
                 final = self.engine.abort(msg[1])
-                self._stats = self.engine.get_stats()
                 if final is not None:
-                    self._deliver(msg[1], final)
-                continue
+                    outbox.output(final)
             self._stats = self.engine.get_stats()
 
-    def _step(self) -> None:
+    def _step(self, outbox: Outbox) -> None:
         before = self.engine.generation_tokens_total
         start, batched = time.monotonic(), self.engine.num_batched_tokens_total
         self._watchdog.begin(self.engine.num_steps + 1)
         try:
             outputs = self.engine.step()
         except Exception as e:  # a failure inside the model: fail what was in flight
-            for rid in list(self.engine.groups):
+            failed = list(self.engine.groups)
+            for rid in failed:
                 self.engine.abort(rid)
-                self._deliver(rid, RuntimeError(f"engine step failed: {e!r}"))
+            outbox.fail(failed, RuntimeError(f"engine step failed: {e!r}"))
             if self.engine.failed is not None:  # a tensor-parallel rank is gone: stop serving
                 self._stopping = True
             return
         finally:
             self._watchdog.end()
         for rid, err in self.engine.pop_errors():
-            self._deliver(rid, err)
-        now = time.monotonic()
-        self._rate.append((now, self.engine.generation_tokens_total - before))
-        if self.engine.num_batched_tokens_total != batched:
-            self._steps.append((now - start, self.engine.num_batched_tokens_total - batched))
-        while self._rate and now - self._rate[0][0] > _RATE_WINDOW_S:
-            self._rate.popleft()
+            outbox.fail([rid], err)
+        self._figures.record(start, time.monotonic(), self.engine.generation_tokens_total - before,
+                             self.engine.num_batched_tokens_total - batched)
         self._stats = self.engine.get_stats()
-        self._deliver_step(outputs)
-
-    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
-        """A step's outputs: one thread-safe callback per event loop, not one per request (each
-        costs a wake-up of the loop), putting them on their streams in order."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[_Item], _Item]]] = {}
         for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
-        for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
-
-    def _deliver(self, request_id: str, item: _Item) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-
-    def _fail_all(self, err: BaseException) -> None:
-        for rid in list(self._streams):
-            self._deliver(rid, err)
+            outbox.output(out)
 
     def _on_stall(self, err: EngineStalledError) -> None:
         """The watchdog's thread: a step outlived its bound. Fail every open stream, refuse new
@@ -261,9 +239,4 @@ class AsyncEngine:
         stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
         logger.error("%s. The step loop's stack:\n%s", err, stack)
         self._stopping = True
-        self._fail_all(err)
-
-
-def _put_all(items: list[tuple[asyncio.Queue[_Item], _Item]]) -> None:
-    for q, item in items:
-        q.put_nowait(item)
+        self._subscribers.fail_all(err)

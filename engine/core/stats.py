@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import time
 from typing import TypedDict
 
@@ -45,3 +46,31 @@ class StartClock:
     def last_mark_at(self) -> float:
         """The last mark's wall-clock time (``started_at`` before any)."""
         return self.started_at + (self._last - self._start)
+
+
+class StepFigures:
+    """What ``AsyncEngine``'s loop measures per step: output tokens per second over the last
+    ``window_s``, and each step's ``(duration_s, num_batched_tokens)`` until popped (thread-safe:
+    the loop thread records, a reader pops; at most ``max_steps`` are kept)."""
+
+    def __init__(self, window_s: float = 10.0, max_steps: int = 4096) -> None:
+        self.window_s = window_s
+        self._rate: collections.deque[tuple[float, int]] = collections.deque()
+        self._steps: collections.deque[tuple[float, int]] = collections.deque(maxlen=max_steps)
+
+    def record(self, start: float, end: float, generated: int, batched: int) -> None:
+        """A step from ``start`` to ``end`` (monotonic) generated and computed these tokens."""
+        self._rate.append((end, generated))
+        if batched:
+            self._steps.append((end - start, batched))
+        while self._rate and end - self._rate[0][0] > self.window_s:
+            self._rate.popleft()
+
+    def output_tokens_per_s(self) -> float:
+        now = time.monotonic()
+        return sum(n for t, n in list(self._rate) if now - t <= self.window_s) / self.window_s
+
+    def pop_steps(self) -> list[tuple[float, int]]:
+        """The steps recorded since the last call, oldest first."""
+        steps = self._steps
+        return [steps.popleft() for _ in range(len(steps))]
