@@ -2,7 +2,9 @@
 
 A batch is one streaming ``Worker.generate_batch`` call carrying ``WorkerRequest``s. The call
 streams back a ``StreamAttach`` first, then (unless it joined an open stream) one
-``StepMessage`` per engine step with the parts of every request its stream carries:
+``StepMessage`` per engine step with the parts of every request its stream carries (the
+engine hands the Worker that step's record for the stream whole, ``engine.StepStream``; the
+Worker's aborts come in a message of their own):
 
 * ``TokenPart``: new tokens of one sequence of a request (and their logprobs);
 * ``DonePart``: the request is finished at the Worker (normally, or aborted);
@@ -23,7 +25,6 @@ The other calls' answers are TypedDicts: ``ModelInfo`` (``Worker.model_info``), 
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, Literal, NamedTuple, TypedDict
 
 from engine import AsyncEngineStats, Logprobs, PromptLogprobs, SamplingParams
@@ -90,21 +91,6 @@ class StepMessage(NamedTuple):
     def __reduce__(self) -> tuple[Any, tuple[list[tuple[Any, ...]], ...]]:
         return _step_message, (list(map(tuple, self.tokens)), list(map(tuple, self.done)),
                                list(map(tuple, self.errors)))
-
-    @classmethod
-    def gather(cls, first: Part, queue: asyncio.Queue[Part]) -> StepMessage:
-        """``first`` and every part queued behind it now: one engine step's."""
-        message = cls([], [], [])
-        part: Part | None = first
-        while part is not None:
-            if isinstance(part, TokenPart):
-                message.tokens.append(part)
-            elif isinstance(part, DonePart):
-                message.done.append(part)
-            else:
-                message.errors.append(part)
-            part = queue.get_nowait() if not queue.empty() else None
-        return message
 
     @property
     def num_finished(self) -> int:

@@ -166,21 +166,28 @@ class WorkerMetrics:
         """Pass a request's outputs through, timing them. A cancelled stream is an abort, or
         a stop when it was cancelled with the message "stop" (``wire.AbortReason``: the Router
         found a stop string; the engine never sees those)."""
-        itl = self._itl_pending
         last = 0.0
         try:
             async for out in outputs:
                 now = time.monotonic()
                 if last:
-                    itl.append(now - last)
+                    self.output_gap(now - last)
                 last = now
                 if out.finished:
                     self.request_finished(out)
                 yield out
         except asyncio.CancelledError as exc:
-            reason = "stop" if exc.args == ("stop",) else "abort"
-            self._success.inc(1, {"finished_reason": reason})
+            self.request_aborted("stop" if exc.args == ("stop",) else "abort")
             raise
+
+    def output_gap(self, seconds: float) -> None:
+        """The time between two consecutive outputs of one request (inter-token latency)."""
+        self._itl_pending.append(seconds)
+
+    def request_aborted(self, reason: str) -> None:
+        """A request aborted at the Worker: its client left ("abort"), or the Router found a
+        stop string ("stop")."""
+        self._success.inc(1, {"finished_reason": reason})
 
     def request_finished(self, out: RequestOutput) -> None:
         m = out.metrics

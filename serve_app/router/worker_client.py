@@ -10,8 +10,8 @@ own, naming the dead replica so that the request router gives it to another one 
 one). The others get a 503: they have streamed tokens already, so running them again would
 repeat output.
 
-A batch's call streams ``serve_app.wire`` messages; ``fan_out`` hands each request the parts
-meant for it (``EngineRequest.events``). Batches share streams: every batch names this client's
+A batch's call streams ``serve_app.wire`` messages; ``fan_out`` (``serve_app.router.fan_out``)
+hands each request the parts meant for it (``EngineRequest.events``). Batches share streams: every batch names this client's
 ``stream_key``; one routed to a replica that already streams for this client joins that stream
 (see ``serve_app.worker.worker``), and the stream's task fans its requests out by request id
 (``_live``).
@@ -29,7 +29,7 @@ import contextvars
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from ray.exceptions import RayActorError
@@ -38,6 +38,7 @@ from ray.serve.handle import DeploymentHandle
 from serve_app import wire
 from serve_app.cluster.registry import known_replicas
 from serve_app.router.batch import Batch, EngineRequest
+from serve_app.router.fan_out import fail_unfinished, fan_out
 
 logger = logging.getLogger("ray.serve")
 
@@ -231,65 +232,3 @@ async def _bounded(call: Any, timeout_s: float) -> Any:
 
 async def _await(call: Any) -> Any:
     return await call
-
-
-async def fan_out(batch: Batch, messages: AsyncIterator[wire.WorkerMessage],
-                  on_opened: Callable[[Batch], None] | None = None,
-                  live: dict[str, EngineRequest] | None = None) -> str | None:
-    """Route each Worker message's parts to the requests' queues.
-
-    Parts name their request by position in the batch, or by request id, looked up in
-    ``live`` (a stream shared by several batches; finished requests leave ``live``).
-    ``on_opened`` sees the batch once its call opened a stream (to abort requests already gone,
-    and to let later batches join). Returns the stream's id when the batch joined an open
-    stream there (its call then ends at once and the stream's own ``fan_out`` carries the
-    requests), else None when the stream ended.
-    """
-    def find(key: int | str) -> EngineRequest | None:
-        if isinstance(key, int):
-            return batch.requests[key]
-        return live.get(key) if live is not None else None
-
-    async for msg in messages:
-        if isinstance(msg, wire.StreamAttach):
-            batch.mark_routed(msg.replica)
-            if msg.attached:
-                return msg.stream
-            batch.open_stream(msg.stream)
-            if on_opened is not None:
-                on_opened(batch)
-            continue
-        _deliver(msg, find, live)
-    return None
-
-
-def _deliver(msg: wire.StepMessage, find: Callable[[int | str], EngineRequest | None],
-             live: dict[str, EngineRequest] | None) -> None:
-    """One step's parts to their requests; first tokens are handed out first, so that their
-    handlers run (and write) first."""
-    now = time.monotonic()
-    later = []
-    for part in msg.tokens:
-        r = find(part.key)
-        if r is None:
-            continue
-        if r.note_output(now):
-            r.put(part)
-        else:
-            later.append((r, part))
-    for r, part in later:
-        r.put(part)
-    ends: list[wire.DonePart | wire.ErrorPart] = [*msg.done, *msg.errors]
-    for end in ends:
-        r = find(end.key)
-        if r is None:
-            continue
-        r.finish(end)
-        if live is not None:
-            live.pop(r.request_id, None)
-
-
-def fail_unfinished(requests: list[EngineRequest], status: int, message: str) -> None:
-    """End every request the Worker will not finish (their call failed or was cancelled)."""
-    for r in requests:
-        r.fail(status, message)

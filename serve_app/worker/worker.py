@@ -20,54 +20,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Protocol
 
 from ray import serve
 
-from engine import AsyncEngineStats, EngineConfig, EngineDeadError, RequestOutput, SamplingParams
 from serve_app import wire
 from serve_app.config import AppConfig
-from serve_app.metrics.worker import EngineStatsSource, WorkerMetrics, engine_info, rss_bytes
+from serve_app.metrics.worker import WorkerMetrics, engine_info, rss_bytes
 from serve_app.router.demand import DemandReceiver
 from serve_app.worker import startup
+from serve_app.worker.batch_stream import BatchStream
+from serve_app.worker.serving_engine import ServingEngine, build_engine
 
 logger = logging.getLogger("ray.serve")
-
-
-class ServingEngine(EngineStatsSource, Protocol):
-    """What a Worker uses of its engine (``engine.AsyncEngine`` is one)."""
-
-    model_name: str
-    max_model_len: int
-    vocab_size: int  # token ids it accepts: [0, vocab_size)
-    dtype: Any  # the activations' torch dtype
-    quantization: str | None  # the weights' format ("int8", ...); None: in dtype
-    kv_cache_dtype: str  # what the KV cache holds: "fp8_e4m3" or the dtype's name
-    default_sampling: dict[str, Any]  # generation_config.json's defaults (SamplingParams names)
-    tokenizer: Any
-    config: EngineConfig
-
-    @property
-    def is_running(self) -> bool: ...
-    def get_stats(self) -> AsyncEngineStats: ...
-    # one request's outputs (deltas); closing the stream early aborts the request
-    def generate(self, request_id: str, prompt: list[int],
-                 params: SamplingParams) -> AsyncIterator[RequestOutput]: ...
-    def abort(self, request_id: str) -> None: ...
-    def check_health(self) -> None: ...  # raises when no request can be served
-    def shutdown(self) -> None: ...
-
-
-class _Stream:
-    """One open ``generate_batch`` call: its queue and the requests it carries."""
-
-    def __init__(self) -> None:
-        self.id = uuid.uuid4().hex
-        self.queue: asyncio.Queue[wire.Part] = asyncio.Queue()
-        self.pumps: dict[str, asyncio.Task[None]] = {}  # request id -> its pump
-        self.remaining = 0  # requests not finished yet
 
 
 class Worker(DemandReceiver, startup.StartTimed):
@@ -82,8 +47,8 @@ class Worker(DemandReceiver, startup.StartTimed):
         self.replica_id = replica_id or serve.get_replica_context().replica_id.unique_id
         self.metrics = WorkerMetrics.for_replica(self.engine, config, self.replica_id,
                                                  engine_info(self.engine))
-        self._pumps: dict[str, asyncio.Task[None]] = {}  # request id -> task streaming it
-        self._streams: dict[str, _Stream] = {}  # stream_key -> that Router's open stream
+        self._running: set[BatchStream] = set()  # the open streams
+        self._streams: dict[str, BatchStream] = {}  # stream_key -> that Router's open stream
         self._received: dict[str, int] = {}  # stream_key -> requests received (routing stats)
         self.requests_total = 0
         self.aborted_total = 0  # requests aborted here: a control call, or their stream closed
@@ -106,65 +71,35 @@ class Worker(DemandReceiver, startup.StartTimed):
         self._received[key] = self._received.get(key, 0) + len(requests)
         stream = self._streams.get(stream_key) if stream_key is not None else None
         if stream is not None:  # join the Router's open stream on this replica
-            self._attach(stream, requests, by_id=True)
+            stream.add(requests, by_id=True)
             yield wire.StreamAttach(self.replica_id, stream.id, attached=True)
             return
-        stream = _Stream()
+        stream = BatchStream(self.engine.add_batch([]), self.metrics)
         if stream_key is not None:
             self._streams[stream_key] = stream
         self.batches_running += 1
-        self._attach(stream, requests, by_id=stream_key is not None)
+        self._running.add(stream)
+        stream.add(requests, by_id=stream_key is not None)
         try:
             yield wire.StreamAttach(self.replica_id, stream.id, attached=False)
-            while stream.remaining:
-                message = wire.StepMessage.gather(await stream.queue.get(), stream.queue)
-                stream.remaining -= message.num_finished
+            async for record in stream.steps:  # batches may join while a message is out
+                message = stream.message(record)
                 self.demand.finished.add(message.num_finished)
-                yield message  # batches may join while this waits for the consumer
+                yield message
         finally:
             if stream_key is not None and self._streams.get(stream_key) is stream:
                 del self._streams[stream_key]  # before any await: no batch joins a closed stream
             self.batches_running -= 1
-            for request_id, task in stream.pumps.items():
-                self._pumps.pop(request_id, None)
-                task.cancel()  # closing a generate() stream aborts its request
+            self._close(stream)
 
-    def _attach(self, stream: _Stream, requests: list[wire.WorkerRequest], by_id: bool) -> None:
-        for slot, req in enumerate(requests):
-            key: int | str = req.request_id if by_id else slot
-            task = asyncio.create_task(self._pump(key, req, stream.queue))
-            stream.pumps[req.request_id] = task
-            self._pumps[req.request_id] = task
-        stream.remaining += len(requests)
-
-    async def _pump(self, key: int | str, req: wire.WorkerRequest,
-                    queue: asyncio.Queue[wire.Part]) -> None:
-        put = queue.put_nowait
-        cached, prompt_logprobs = 0, None
-        try:
-            outputs = self.engine.generate(req.request_id, req.prompt_token_ids, req.params)
-            async for out in self.metrics.track(outputs):
-                cached = out.num_cached_tokens
-                prompt_logprobs = out.prompt_logprobs or prompt_logprobs  # (sent once)
-                for co in out.outputs:
-                    if co.token_ids or co.finish_reason:
-                        put(wire.TokenPart(key, co.index, co.token_ids, co.finish_reason,
-                                           co.logprobs))
-        except asyncio.CancelledError:  # aborted (control call) or the batch call was cancelled
-            self.aborted_total += 1
-            put(wire.DonePart(key, len(req.prompt_token_ids), cached))
-            raise
-        except ValueError as exc:
-            put(wire.ErrorPart(key, 400, str(exc)))
-            return
-        except EngineDeadError as exc:  # stopped or stalled: Serve replaces this replica
-            put(wire.ErrorPart(key, 503, str(exc)))
-            return
-        except Exception as exc:  # the engine failed: report it for this request, keep serving
-            logger.exception("request %s failed", req.request_id)
-            put(wire.ErrorPart(key, 500, f"engine error: {type(exc).__name__}: {exc}"))
-            return
-        put(wire.DonePart(key, len(req.prompt_token_ids), cached, prompt_logprobs))
+    def _close(self, stream: BatchStream) -> None:
+        """The call is over (its requests done, or the call cancelled): abort what is open."""
+        self._running.discard(stream)
+        still_open = stream.steps.open
+        self.aborted_total += len(still_open)
+        for _ in still_open:
+            self.metrics.request_aborted("abort")
+        stream.steps.close()
 
     # ---- control calls (routed to the named replica by WorkerRequestRouter) ----------------
 
@@ -174,11 +109,12 @@ class Worker(DemandReceiver, startup.StartTimed):
         were still running here."""
         found = 0
         for request_id in request_ids:
-            task = self._pumps.pop(request_id, None)
-            if task is not None:
-                found += 1
-                task.cancel(reason)  # ends its generate() stream, which aborts it in the engine
-            self.engine.abort(request_id)
+            for stream in self._running:
+                if stream.abort([request_id]):  # its DonePart goes out in the next message
+                    found += 1
+                    self.aborted_total += 1
+                    self.metrics.request_aborted(reason)
+            self.engine.abort(request_id)  # wherever it is, in no stream of this replica too
         return found
 
     async def model_info(self, target_replica: str | None = None) -> wire.ModelInfo:
@@ -209,7 +145,8 @@ class Worker(DemandReceiver, startup.StartTimed):
         s = self.engine.get_stats()
         # The engine's snapshot can predate a batch this replica already accepted; count the
         # requests of open batches too, so a report never hides work the router sent.
-        waiting = max(s["num_waiting"], len(self._pumps) - s["num_running"])
+        carried = sum(len(stream.requests) for stream in self._running)
+        waiting = max(s["num_waiting"], carried - s["num_running"])
         return {"num_waiting": waiting, "num_running": s["num_running"],
                 "num_free_blocks": s["num_free_blocks"], "num_total_blocks": s["num_total_blocks"],
                 "received": dict(self._received), "stopped": not self.engine.is_running,
@@ -254,32 +191,6 @@ class Worker(DemandReceiver, startup.StartTimed):
             logger.warning("Worker stops with %d batches unfinished after %.0fs",
                            self.batches_running, self.drain_timeout_s)
         engine.shutdown()
-
-
-def build_engine(config: AppConfig) -> ServingEngine:
-    """The default engine: an ``AsyncEngine`` of the config's engine settings; on a CPU, it
-    computes with ``worker_threads()`` threads (unless ``num_threads`` is set; the engine's loop
-    thread sets torch's count for itself); tensor-parallel ranks 1..N-1 run as Ray actors in
-    this replica's placement group."""
-    from engine import AsyncEngine
-
-    engine_cfg = config.engine
-    if engine_cfg.device.num_threads is None and not config.use_gpu():
-        engine_cfg = engine_cfg.model_copy(deep=True)
-        engine_cfg.device.num_threads = config.worker_threads()
-    return AsyncEngine(engine_cfg, rank_launcher=_rank_launcher(config))
-
-
-def _rank_launcher(config: AppConfig) -> Any:
-    """Starts tensor-parallel ranks 1..N-1 as Ray actors in this replica's placement group
-    (None with one rank)."""
-    if config.engine.parallel.tensor_parallel_size == 1:
-        return None
-    from serve_app.worker.tp_ranks import RayRankLauncher
-
-    replica = serve.get_replica_context().replica_id.unique_id
-    return RayRankLauncher(f"pagedserve-tp-{replica}", num_cpus=config.worker_num_cpus,
-                           num_gpus=1 if config.use_gpu() else 0)
 
 
 def _has_running_loop() -> bool:
