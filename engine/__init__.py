@@ -31,7 +31,6 @@ from engine.envs import cache_dir
 from engine.grammar.structured_output import StructuredOutputsParams
 from engine.health import EngineDeadError
 from engine.models.default_model import DEFAULT_MODEL_NAME
-from engine.models.generation_config import with_defaults
 from engine.models.hub import looks_like_repo_id
 from engine.step_stream import StepOutputs, StepStream
 
@@ -80,7 +79,6 @@ __all__ = [
     "cache_dir",
     "looks_like_repo_id",
     "run_rank",
-    "with_defaults",
 ]
 
 

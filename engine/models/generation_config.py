@@ -47,13 +47,3 @@ def default_sampling(model_path: str, setting: str = "auto") -> dict[str, Any]:
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
     return defaults
-
-
-def with_defaults(params: SamplingParams, defaults: dict[str, Any],
-                  set_fields: set[str]) -> SamplingParams:
-    """``params`` with each default applied to a field not in ``set_fields`` (those the caller
-    set explicitly, which always win)."""
-    from dataclasses import replace
-
-    unset = {k: v for k, v in defaults.items() if k not in set_fields}
-    return replace(params, **unset) if unset else params

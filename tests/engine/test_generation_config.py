@@ -9,7 +9,7 @@ import json
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.models.generation_config import default_sampling, with_defaults
+from engine.models.generation_config import default_sampling
 from tests.checkpoints import make_checkpoint
 
 PROMPTS = [{"prompt_token_ids": [0, 11, 12, 13, 14]}, {"prompt_token_ids": [0, *range(300, 320)]}]
@@ -59,14 +59,6 @@ def test_vllm_ignores_the_file_and_a_folder_replaces_it(ckpt, tmp_path):
                                                                  "top_k": 0}))
     assert default_sampling(str(ckpt), str(tmp_path)) == {"temperature": 0.0, "top_k": -1}
     assert default_sampling(str(tmp_path / "nothing-here")) == {}  # auto: no file, no defaults
-
-
-def test_what_the_caller_set_wins():
-    params = SamplingParams(temperature=0.5, max_tokens=3)
-    got = with_defaults(params, {"temperature": 0.7, "top_k": 5, "max_tokens": 9},
-                        {"temperature"})
-    assert got == SamplingParams(temperature=0.5, top_k=5, max_tokens=9)
-    assert with_defaults(params, {}, set()) is params
 
 
 @pytest.mark.parametrize(("content", "message"), [
