@@ -80,9 +80,7 @@ class LLMEngine:
         except BaseException:
             self.shutdown(send_exit=False)
             raise
-        cache_dtype = self.runner.kv.dtype  # reported as "fp8_e4m3" or the dtype's name
-        self.kv_cache_dtype = ("fp8_e4m3" if cache_dtype == torch.float8_e4m3fn
-                               else str(cache_dtype).removeprefix("torch."))
+        self.kv_cache_dtype = _dtype_name(self.runner.kv.dtype)
         self.executor = StepExecutor(self.runner)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)
@@ -255,6 +253,11 @@ class LLMEngine:
             "generation_tokens_total": self.generation_tokens_total,
             "num_batched_tokens_total": self.num_batched_tokens_total,
         }
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """How the KV cache's dtype is reported: "fp8_e4m3" or the dtype's name."""
+    return "fp8_e4m3" if dtype == torch.float8_e4m3fn else str(dtype).removeprefix("torch.")
 
 
 def _shutdown_at_exit(ref: weakref.ref[LLMEngine]) -> None:

@@ -36,7 +36,7 @@ DOORS = {("serve_app", "engine"): {"engine"},
          ("engine", "kernels"): {"kernels", "kernels.ops", "kernels.settings"}}
 TOP = "(top)"  # the modules directly in a package, as one wing
 WING_CODE_LINES = {
-    "engine": {TOP: 1300, "core": 900, "executor": 900, "grammar": 600, "layers": 900,
+    "engine": {TOP: 1400, "core": 900, "executor": 900, "grammar": 600, "layers": 900,
                "models": 1200, "sample": 600},
     "serve_app": {TOP: 600, "autoscaling": 600, "cluster": 450, "config": 450, "metrics": 450,
                   "protocol": 900, "router": 1600, "worker": 450},
