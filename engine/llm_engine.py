@@ -14,7 +14,6 @@ is no process group and no other process.
 from __future__ import annotations
 
 import atexit
-import time
 import weakref
 from typing import TYPE_CHECKING
 
@@ -23,8 +22,8 @@ import torch
 from engine.config import EngineConfig, configure_kernels
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.output_processor import OutputProcessor, RequestGroup
-from engine.core.outputs import Logprobs, RequestOutput
-from engine.core.request import Request, RequestStatus
+from engine.core.outputs import RequestOutput
+from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.stats import EngineStats, StartClock
@@ -86,13 +85,13 @@ class LLMEngine:
                                  config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len,
                                    on_cpu=self.device.type == "cpu")
-        self.outputs = OutputProcessor(self.tokenizer)
+        self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         so = config.structured_output
         self.grammars = Grammars(self.tokenizer, self.hf.vocab_size, self.eos_token_ids,
                                  so.grammar_compile_timeout_s, so.grammar_compile_threads)
         self.inputs = InputProcessor(self.tokenizer, self.hf.vocab_size, self.max_model_len,
                                      self.eos_token_ids, self.grammars)
-        self.prompt_tokens_total = self.generation_tokens_total = 0
+        self.prompt_tokens_total = 0
         self.start_clock = clock  # its start's phases, for the Worker's breakdown
         self.num_steps = self.num_batched_tokens_total = 0  # (tokens: prefill chunks + decode)
         self.errors: list[tuple[str, Exception]] = []
@@ -200,40 +199,20 @@ class LLMEngine:
         self.scheduler.finish_step(sched)
         self.num_steps += 1
         self.num_batched_tokens_total += sched.num_tokens
-        touched: dict[str, RequestGroup] = {}
-        now = time.monotonic()
-        for i, req in enumerate(reqs):
-            if req.group_id not in self.groups:
-                continue  # its group failed earlier in this step
-            assert sampled is not None
-            try:
-                self._append(req, sampled.token_ids[i], sampled.logprobs[i], now)
-            except Exception as e:  # fail this request only
-                self._fail(req.group_id, e)
-                touched.pop(req.group_id, None)
-                continue
-            touched[req.group_id] = self.groups[req.group_id]
-        outputs = [out for g in touched.values()
-                   if (out := self.outputs.make_output(g)) is not None]
-        for g in touched.values():
-            if g.finished:
-                del self.groups[g.request_id]
-        return outputs
+        if sampled is None:  # no sequence reached the end of its tokens (a prompt's middle)
+            return []
+        return self.outputs.process_step(reqs, sampled.token_ids, sampled.logprobs,
+                                         self._finished, self._fail)
 
-    def _append(self, req: Request, token: int, logprobs: Logprobs | None, now: float) -> None:
-        if req.params.max_tokens == 0:  # the prompt only (say, for its logprobs): no token
-            req.status, finished = RequestStatus.FINISHED_LENGTH, True
-        else:
-            req.append_token(token, logprobs)
-            self.generation_tokens_total += 1
-            if req.first_token_time is None:
-                req.first_token_time = now
-            finished = self.outputs.detokenize(req, token, req.check_stop(self.max_model_len))
-        if finished:
-            self.scheduler.free_finished(req)
-            self._forget_generator(req.request_id)
+    def _finished(self, req: Request) -> None:
+        self.scheduler.free_finished(req)
+        self._forget_generator(req.request_id)
 
     # ----------------------------------------------------------------- introspection
+    @property
+    def generation_tokens_total(self) -> int:
+        return self.outputs.generation_tokens
+
     @property
     def vocab_size(self) -> int:
         """Token ids the model accepts: [0, vocab_size)."""

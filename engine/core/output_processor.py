@@ -5,12 +5,13 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.core.detokenizer import TextStream
-from engine.core.outputs import CompletionOutput, RequestOutput
-from engine.core.request import Request, group_metrics
+from engine.core.outputs import CompletionOutput, Logprobs, RequestOutput
+from engine.core.request import Request, RequestStatus, group_metrics
 from engine.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -39,9 +40,11 @@ class RequestGroup:
 class OutputProcessor:
     """The engine's requests by id, and what each has to report."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_model_len: int) -> None:
         self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
         self.groups: dict[str, RequestGroup] = {}
+        self.generation_tokens = 0  # tokens appended to sequences, ever
 
     def add(self, request_id: str, prompt: str | None, ids: list[int], params: SamplingParams,
             seqs: list[Request]) -> None:
@@ -50,6 +53,43 @@ class OutputProcessor:
                    for _ in seqs]
         self.groups[request_id] = RequestGroup(request_id, prompt, ids, params, seqs, streams,
                                                [0] * params.n, [""] * params.n)
+
+    def process_step(self, reqs: list[Request], token_ids: list[int],
+                     logprobs: list[Logprobs | None], on_finished: Callable[[Request], None],
+                     fail: Callable[[str, Exception], None]) -> list[RequestOutput]:
+        """A step's sampled tokens (``token_ids[i]`` for ``reqs[i]``) appended to their
+        sequences, stops checked and text detokenized; returns the outputs of the groups the
+        step touched and forgets the finished ones. ``on_finished`` frees a sequence that ended;
+        a sequence that raises fails its own group only (``fail``)."""
+        touched: dict[str, RequestGroup] = {}
+        now = time.monotonic()
+        for i, req in enumerate(reqs):
+            if req.group_id not in self.groups:
+                continue  # its group failed earlier in this step
+            try:
+                if self._append(req, token_ids[i], logprobs[i], now):
+                    on_finished(req)
+            except Exception as e:  # fail this request only
+                fail(req.group_id, e)
+                touched.pop(req.group_id, None)
+                continue
+            touched[req.group_id] = self.groups[req.group_id]
+        outputs = [out for g in touched.values() if (out := self.make_output(g)) is not None]
+        for g in touched.values():
+            if g.finished:
+                del self.groups[g.request_id]
+        return outputs
+
+    def _append(self, req: Request, token: int, logprobs: Logprobs | None, now: float) -> bool:
+        """Whether ``req`` finished with ``token``."""
+        if req.params.max_tokens == 0:  # the prompt only (say, for its logprobs): no token
+            req.status = RequestStatus.FINISHED_LENGTH
+            return True
+        req.append_token(token, logprobs)
+        self.generation_tokens += 1
+        if req.first_token_time is None:
+            req.first_token_time = now
+        return self.detokenize(req, token, req.check_stop(self.max_model_len))
 
     def detokenize(self, req: Request, token: int, finished: bool) -> bool:
         """Add ``req``'s new ``token`` to its text; returns whether the sequence is finished
