@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from kernels import ops, settings
+from kernels import int8_gemm as _int8
+from kernels import paged_attention as _attn
+from kernels import settings
 
 PROMPTS = [[0, 647, 16, 555, 579, 301], [0, 401, 637, 680, 596, 12, 13, 14, 15, 16, 17]]
 
@@ -30,7 +32,7 @@ def test_default_model_greedy_tokens_match_the_reference_path(device, quantizati
     with settings.backend("reference"):  # the torch references, on CUDA too
         ref = llm.generate(inputs, params, use_tqdm=False)
     calls = {"attention": 0, "int8": 0}
-    originals = (ops._attn.paged_attention_triton, ops._int8.int8_linear_triton)
+    originals = (_attn.paged_attention_triton, _int8.int8_linear_triton)
 
     def counting(name, fn):
         def wrapped(*args, **kwargs):
@@ -38,13 +40,13 @@ def test_default_model_greedy_tokens_match_the_reference_path(device, quantizati
             return fn(*args, **kwargs)
         return wrapped
 
-    ops._attn.paged_attention_triton = counting("attention", originals[0])
-    ops._int8.int8_linear_triton = counting("int8", originals[1])
+    _attn.paged_attention_triton = counting("attention", originals[0])
+    _int8.int8_linear_triton = counting("int8", originals[1])
     try:
         with settings.backend("triton"):
             got = llm.generate(inputs, params, use_tqdm=False)
     finally:
-        ops._attn.paged_attention_triton, ops._int8.int8_linear_triton = originals
+        _attn.paged_attention_triton, _int8.int8_linear_triton = originals
     assert calls["attention"] > 0  # the Triton path really ran
     assert (calls["int8"] > 0) == (quantization == "int8")
     for r, g in zip(ref, got):
