@@ -26,11 +26,8 @@ from engine.executor.kv_cache_tensor import KVCacheTensor, kv_budget_bytes, kv_c
 from engine.layers.attention import Attention, expect_kv_scales, finish_kv_scales
 from engine.layers.context import AttentionMetadata, set_context
 from engine.layers.embedding import ParallelLMHead
-from engine.layers.linear import (
-    LinearBase,
-    expect_quantized_linears,
-    finish_quantized_linears,
-)
+from engine.layers.linear import LinearBase
+from engine.layers.quantization import expect_quantized_linears, finish_quantized_linears
 from engine.loader import load_weights
 from engine.models.hf_config import HFConfig
 from engine.models.registry import CausalLM, model_class

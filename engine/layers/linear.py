@@ -17,13 +17,7 @@ import torch
 from torch import nn
 
 from engine.distributed import all_reduce, divide, tp_rank, tp_size
-from engine.layers.quantization import (  # the quantized forms; re-exported for the models
-    QUANTIZATION_METHODS,
-    QuantizedWeights,
-    expect_quantized_linears,
-    finish_quantized_linears,
-    quantize_linears,
-)
+from engine.layers.quantization import QuantizedWeights
 from engine.loader import Loaded, ShardId, TensorSlice, copy_checked, set_weight_loader, shard
 from kernels import ops
 
@@ -188,14 +182,10 @@ class RowParallelLinear(LinearBase):
 
 
 __all__ = [
-    "QUANTIZATION_METHODS",
     "ColumnParallelLinear",
     "LinearBase",
     "MergedColumnParallelLinear",
     "QKVParallelLinear",
     "ReplicatedLinear",
     "RowParallelLinear",
-    "expect_quantized_linears",
-    "finish_quantized_linears",
-    "quantize_linears",
 ]

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from engine.layers.embedding import ParallelLMHead
-from engine.layers.linear import LinearBase, quantize_linears
+from engine.layers.linear import LinearBase
+from engine.layers.quantization import quantize_linears
 from engine.loader import ShardId
 from engine.models.architectures import architecture_class
 
